@@ -1,0 +1,433 @@
+"""Rolling cross-request output cache: draft continuations from what earlier generations produced.
+
+Prompt lookup copies drafts from the current request's own context. When many requests are alike (a server or CLI
+editing many similar files), their *outputs* share boilerplate that the new prompt may not contain yet. This module
+keeps a bounded, FIFO-evicted store of finished sequences and answers "which stored n-gram matches the end of my
+context, and what followed it?".
+
+Decisions (pinned by tests/test_cache.py):
+
+* The longest suffix of the context wins: n is tried from ``max_n`` down to ``min_n``.
+* Among equally long matches, the most recently *added* sequence wins, and inside one sequence the latest position wins.
+  Recent outputs are the best predictor of the next one (same edit session, same file family).
+* A draft never crosses the end of the stored sequence it came from; sequences are separate generations, and the
+  token after one sequence's end is not a continuation of it.
+* A match needs at least one following token, so a "match" always yields a non-empty draft when ``k >= 1``.
+* "No draft" is always ``(0, empty int32 array)``, never ``None``.
+
+Index layout: one ``pygtrie.Trie`` keyed by the *reversed* n-gram ending just before a position ``t`` (most recent token
+first). For every stored sequence ``seq``, every ``t`` in ``[min_n, len(seq) - 1]`` and every ``n`` in
+``[min_n, min(max_n, t)]``::
+
+    trie[reversed(seq[t - n:t])] = seq_id << 48 | t        # seq[t] is the first draft token
+
+Because every length in ``[min_n, max_n]`` is stored, ``trie.longest_prefix(reversed(context[-max_n:]))`` returns the
+node of the longest matching suffix in O(max_n) steps, independent of how much is stored. Insertion order makes
+"most recent wins" free: a later insertion overwrites the value. Eviction is strictly FIFO, so when the oldest sequence
+leaves, any key still pointing at it has no other stored occurrence (older ones were evicted earlier, newer ones would
+have overwritten it) and can be deleted; keys overwritten by newer sequences are left alone.
+
+No torch and no numba here: the cache sits beside the numba index (see STYLE.md) and must stay importable and cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+import os
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import pygtrie
+
+__all__ = ["CacheConfig", "CacheFileError", "RollingCache"]
+
+logger = logging.getLogger("lookupdec")
+
+# Written into every saved file; load() refuses anything else so a future layout change can never be misread.
+FORMAT_NAME = "lookupdec-rolling-cache"
+FORMAT_VERSION = 1
+
+# Stored sequences are int32 arrays (compact, and what the rest of lookupdec uses for token ids).
+_MAX_TOKEN_ID = np.iinfo(np.int32).max
+# n above this buys nothing for lookup drafting and multiplies trie size; it also bounds per-lookup cost.
+_MAX_N_LIMIT = 16
+
+_EMPTY_DRAFT = np.empty(0, dtype=np.int32)
+
+# A trie value packs (seq_id, t) into one int: seq_id << _POS_BITS | t. A plain int, unlike a tuple, is not tracked by
+# the cyclic garbage collector, and a full cache holds ~200k values, so this keeps memory and GC pauses down.
+# Python ints are unbounded, so 48 bits for t is free headroom: no sequence that fits in memory has 2**48 tokens.
+_POS_BITS = 48
+_POS_MASK = (1 << _POS_BITS) - 1
+
+
+class CacheFileError(ValueError):
+    """A cache file is missing, corrupt or incompatible."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size and match range of a RollingCache; validated at construction."""
+
+    # Budget in stored tokens across all sequences; bounds memory (the trie holds ~(max_n - min_n + 1) keys per token).
+    max_tokens: int = 65536
+    # Shortest suffix worth matching: a 1-gram match across unrelated requests is mostly noise.
+    min_n: int = 2
+    # Longest suffix tried first; longer matches are more specific and so more likely to be accepted.
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "min_n", "max_n"):
+            value = getattr(self, name)
+            # bool is an int subclass, but `min_n=True` is always a mistake.
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+            # Normalise numpy integers so the config (and the saved JSON) holds plain ints.
+            object.__setattr__(self, name, int(value))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.min_n <= self.max_n <= _MAX_N_LIMIT:
+            raise ValueError(
+                f"need 1 <= min_n <= max_n <= {_MAX_N_LIMIT}, got min_n={self.min_n}, max_n={self.max_n}"
+            )
+
+
+def _as_token_array(tokens) -> np.ndarray:
+    """Validate a finished sequence and return it as a fresh int32 array  # [seq_len]."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integer token ids, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _MAX_TOKEN_ID:
+        raise ValueError(f"token ids must be in [0, {_MAX_TOKEN_ID}], got values in [{lo}, {hi}]")
+    # Always copy: the caller may reuse its buffer after add() returns.
+    return np.array(arr, dtype=np.int32, copy=True)
+
+
+class RollingCache:
+    """Bounded FIFO store of finished token sequences, indexed for longest-suffix lookup.
+
+    Thread safe: every public method holds one lock, so a server may share one cache across generating threads.
+    Lookups are O(max_n + k); add() is O(len(tokens) * (max_n - min_n + 1)) plus the cost of the evictions it causes.
+    """
+
+    def __init__(self, max_tokens: int = 65536, min_n: int = 2, max_n: int = 4):
+        self._config = CacheConfig(max_tokens=max_tokens, min_n=min_n, max_n=max_n)
+        # One lock for all state below; trie, dict, deque and the token count must change together.
+        self._lock = threading.Lock()
+        self._trie: pygtrie.Trie = pygtrie.Trie()
+        # seq_id -> int32 array  # [seq_len]; ids grow monotonically, so a trie value never aliases a newer sequence.
+        self._seqs: dict[int, np.ndarray] = {}
+        # Insertion order of live seq_ids, oldest first (a deque: O(1) pops from the old end).
+        self._order: deque[int] = deque()
+        self._next_id = 0
+        self._total = 0
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def config(self) -> CacheConfig:
+        return self._config
+
+    @property
+    def max_tokens(self) -> int:
+        return self._config.max_tokens
+
+    @property
+    def min_n(self) -> int:
+        return self._config.min_n
+
+    @property
+    def max_n(self) -> int:
+        return self._config.max_n
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._total
+
+    @property
+    def num_sequences(self) -> int:
+        with self._lock:
+            return len(self._order)
+
+    def sequences(self) -> list[np.ndarray]:
+        """Copies of the stored sequences, oldest first  # each [seq_len] int32."""
+        with self._lock:
+            return [self._seqs[seq_id].copy() for seq_id in self._order]
+
+    def __repr__(self) -> str:
+        cfg = self._config
+        return (
+            f"RollingCache(max_tokens={cfg.max_tokens}, min_n={cfg.min_n}, max_n={cfg.max_n}; "
+            f"{len(self)} tokens in {self.num_sequences} sequences)"
+        )
+
+    # ------------------------------------------------------------------ mutation
+
+    def add(self, tokens) -> None:
+        """Store one finished sequence of token ids  # [seq_len] (list, tuple or numpy array).
+
+        Only the last ``max_tokens`` tokens of an over-long sequence are kept (the end of an output is what the next,
+        similar request is about to produce). A sequence that is then shorter than ``min_n + 1`` is ignored: it cannot
+        hold an n-gram *and* a following token. Afterwards whole oldest sequences are evicted until the total fits.
+        """
+        arr = _as_token_array(tokens)
+        with self._lock:
+            self._add_unlocked(arr)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._trie = pygtrie.Trie()
+            self._seqs.clear()
+            self._order.clear()
+            self._total = 0
+            # _next_id keeps growing on purpose: ids are never reused, even across clear().
+
+    def _add_unlocked(self, arr: np.ndarray) -> None:
+        cfg = self._config
+        if arr.size > cfg.max_tokens:
+            arr = arr[-cfg.max_tokens:].copy()
+        seq_len = int(arr.size)
+        if seq_len < cfg.min_n + 1:
+            return
+        seq_id = self._next_id
+        self._next_id += 1
+        self._seqs[seq_id] = arr
+        self._order.append(seq_id)
+        self._total += seq_len
+
+        trie = self._trie
+        # rev[seq_len - t : seq_len - t + n] == reversed(seq[t - n:t]); python ints make hashing and trie steps cheap.
+        rev = arr[::-1].tolist()
+        for t in range(cfg.min_n, seq_len):
+            base = seq_len - t
+            value = (seq_id << _POS_BITS) | t
+            # Ascending t: a later position overwrites an earlier one (latest position wins within a sequence).
+            for n in range(cfg.min_n, min(cfg.max_n, t) + 1):
+                trie[tuple(rev[base:base + n])] = value
+
+        # The new sequence alone fits (truncated above), so this never evicts what was just added.
+        while self._total > cfg.max_tokens:
+            self._evict_oldest_unlocked()
+
+    def _evict_oldest_unlocked(self) -> None:
+        cfg = self._config
+        seq_id = self._order.popleft()
+        arr = self._seqs.pop(seq_id)
+        seq_len = int(arr.size)
+        self._total -= seq_len
+        trie = self._trie
+        rev = arr[::-1].tolist()
+        for t in range(cfg.min_n, seq_len):
+            base = seq_len - t
+            for n in range(cfg.min_n, min(cfg.max_n, t) + 1):
+                key = tuple(rev[base:base + n])
+                value = trie.get(key)
+                # Only keys still owned by this sequence go; a newer sequence's overwrite must survive. The same key can
+                # occur twice in this sequence and is then met twice, hence the check rather than a blind delete.
+                if value is not None and value >> _POS_BITS == seq_id:
+                    del trie[key]
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, context, k: int) -> tuple[int, np.ndarray]:
+        """Draft up to ``k`` tokens continuing ``context``  # context: [ctx_len] token ids.
+
+        Returns ``(n, draft)``: ``n`` is the length of the longest suffix of ``context`` (``max_n`` down to ``min_n``)
+        found in a stored sequence with at least one token after it; ``draft`` (int32, [1..k]) is what followed its most
+        recent occurrence, cut at that sequence's end. ``(0, empty int32 array)`` when nothing matches or ``k == 0``.
+        """
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        cfg = self._config
+        if k == 0:
+            return 0, _EMPTY_DRAFT.copy()
+        # Slice before converting: contexts can be long, and only the last max_n tokens can matter.
+        tail = np.asarray(context[-cfg.max_n:])
+        if tail.ndim != 1:
+            raise ValueError(f"context must be a 1-D sequence of token ids, got shape {tail.shape}")
+        if tail.size < cfg.min_n:
+            return 0, _EMPTY_DRAFT.copy()
+        if tail.dtype.kind not in "iu":
+            raise ValueError(f"context must hold integer token ids, got dtype {tail.dtype}")
+        key = tuple(tail[::-1].tolist())
+        with self._lock:
+            # Every stored key has length in [min_n, max_n], so the longest valued prefix is the longest suffix match.
+            step = self._trie.longest_prefix(key)
+            if not step:
+                return 0, _EMPTY_DRAFT.copy()
+            seq_id, t = step.value >> _POS_BITS, step.value & _POS_MASK
+            draft = self._seqs[seq_id][t:t + int(k)].copy()
+        return len(step.key), draft
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, path) -> None:
+        """Write the cache as JSON, atomically: a temp file in the same folder, then ``os.replace``.
+
+        JSON rather than pickle so that loading a file from anywhere cannot run code. A failed save leaves any previous
+        file at ``path`` untouched and removes its temp file; the error propagates.
+        """
+        path = os.fspath(path)
+        cfg = self._config
+        # Snapshot under the lock, serialise outside it: other threads keep generating while the file is written.
+        with self._lock:
+            sequences = [self._seqs[seq_id].tolist() for seq_id in self._order]
+        payload = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "max_tokens": cfg.max_tokens,
+            "min_n": cfg.min_n,
+            "max_n": cfg.max_n,
+            "sequences": sequences,
+        }
+        folder = os.path.dirname(os.path.abspath(path))
+        # Same folder as the target so os.replace is a rename on one filesystem (atomic), never a copy.
+        fd, tmp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(payload, handle, separators=(",", ":"))
+                handle.flush()
+                # Data on disk before the rename, or a crash could leave an empty file under the real name.
+                os.fsync(handle.fileno())
+            os.replace(tmp_path, path)
+        except BaseException:
+            try:
+                os.unlink(tmp_path)
+            except OSError:
+                pass
+            raise
+
+    @classmethod
+    def load(cls, path, *, strict: bool = False) -> "RollingCache":
+        """Read a file written by :meth:`save`.
+
+        A missing, unreadable, corrupt or incompatible file raises :class:`CacheFileError` (one line, naming the file
+        and the reason) when ``strict``; otherwise it logs a warning on the ``lookupdec`` logger and returns an empty
+        cache, so a bad cache file can cost speed but never a generation. The empty cache keeps the file's n-range and
+        budget when those were readable and valid, else the defaults.
+        """
+        path_str = os.fspath(path)
+        config = None
+        try:
+            config, sequences = _read_cache_file(path_str)
+        except _UnusableFile as problem:
+            config = problem.config
+            message = f"cache file {path_str!r}: {problem.reason}"
+            if strict:
+                raise CacheFileError(message) from None
+            logger.warning("%s; starting with an empty cache", message)
+            cfg = config or CacheConfig()
+            return cls(max_tokens=cfg.max_tokens, min_n=cfg.min_n, max_n=cfg.max_n)
+        cache = cls(max_tokens=config.max_tokens, min_n=config.min_n, max_n=config.max_n)
+        with cache._lock:
+            for arr in sequences:
+                cache._add_unlocked(arr)
+        return cache
+
+
+class _UnusableFile(Exception):
+    """Internal: why a cache file cannot be used, plus its config when that much was readable."""
+
+    def __init__(self, reason: str, config: CacheConfig | None = None):
+        super().__init__(reason)
+        # Messages must stay one line (CLI prints them as-is).
+        self.reason = " ".join(reason.split())
+        self.config = config
+
+
+def _read_cache_file(path: str) -> tuple[CacheConfig, list[np.ndarray]]:
+    """Parse and validate a cache file; raise _UnusableFile with a one-line reason on any problem."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except FileNotFoundError:
+        raise _UnusableFile("not found") from None
+    except OSError as err:
+        raise _UnusableFile(f"cannot be read ({type(err).__name__}: {err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _UnusableFile("is not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _UnusableFile(f"is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    except (ValueError, RecursionError) as err:
+        # ValueError: e.g. an integer literal beyond Python's digit limit; RecursionError: absurdly deep nesting.
+        raise _UnusableFile(f"is not usable JSON ({type(err).__name__})") from None
+
+    if not isinstance(data, dict):
+        raise _UnusableFile(f"top level is a JSON {_json_type(data)}, expected an object")
+    fmt = data.get("format")
+    if fmt != FORMAT_NAME:
+        raise _UnusableFile(f"format is {_short(fmt)}, expected {FORMAT_NAME!r}")
+    version = data.get("version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise _UnusableFile(
+            f"format version {_short(version)} is not supported (this lookupdec reads version {FORMAT_VERSION})"
+        )
+
+    fields = {}
+    for name in ("max_tokens", "min_n", "max_n"):
+        if name not in data:
+            raise _UnusableFile(f"field {name!r} is missing")
+        value = data[name]
+        if type(value) is not int:
+            raise _UnusableFile(f"field {name!r} must be an integer, got JSON {_json_type(value)}")
+        fields[name] = value
+    try:
+        config = CacheConfig(**fields)
+    except ValueError as err:
+        raise _UnusableFile(f"invalid settings: {err}") from None
+
+    # From here on the config is known good, so a non-strict load can keep it.
+    if "sequences" not in data:
+        raise _UnusableFile("field 'sequences' is missing", config)
+    seqs_json = data["sequences"]
+    if not isinstance(seqs_json, list):
+        raise _UnusableFile(f"field 'sequences' must be a list, got JSON {_json_type(seqs_json)}", config)
+    sequences = []
+    for seq_index, seq in enumerate(seqs_json):
+        if not isinstance(seq, list):
+            raise _UnusableFile(f"sequence {seq_index} must be a list of token ids, got JSON {_json_type(seq)}", config)
+        for pos, tok in enumerate(seq):
+            # type() rather than isinstance(): JSON true/false load as bool, an int subclass.
+            if type(tok) is not int or not 0 <= tok <= _MAX_TOKEN_ID:
+                raise _UnusableFile(
+                    f"sequence {seq_index}, position {pos}: {_short(tok)} is not a token id in [0, {_MAX_TOKEN_ID}]",
+                    config,
+                )
+        sequences.append(np.array(seq, dtype=np.int32))
+    return config, sequences
+
+
+def _short(value, limit: int = 40) -> str:
+    """repr() capped in length: a hostile or broken file must not turn an error message into megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
