@@ -1,3 +1,41 @@
-"""lookupdec: exact draft-free speculative decoding for transformers causal LMs."""
+"""lookupdec: exact draft-free speculative decoding for transformers causal LMs.
+
+Drafts are copied from the prompt, the output so far, reference texts and earlier outputs, then verified by the
+target model in one forward pass. Greedy output is token-identical to plain decoding; sampled output follows the
+target's distribution exactly.
+
+    from lookupdec import LookupDrafter, generate
+    out = generate(model, input_ids, max_new_tokens=256)              # our loop
+    ids = model.generate(**inputs, assistant_model=LookupDrafter())   # transformers' loop
+"""
 
 __version__ = "0.1.0"
+
+# Attributes resolve lazily so `import lookupdec` (and the CLI's --help) does not pay for torch and numba.
+_EXPORTS = {
+    "generate": ("loop", "generate"),
+    "GenerationStats": ("loop", "GenerationStats"),
+    "LookupOutput": ("loop", "LookupOutput"),
+    "LookupDrafter": ("drafter", "LookupDrafter"),
+    "DrafterConfig": ("drafter", "DrafterConfig"),
+    "RollingCache": ("cache", "RollingCache"),
+    "NgramIndex": ("index", "NgramIndex"),
+    "load_model": ("models", "load_model"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        module, attr = _EXPORTS[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,336 @@
+"""LookupDrafter: proposes draft tokens by copying, and decides how many are worth verifying.
+
+Sources, in the order a proposal consults them:
+
+1. **Alignment cursor.** When the tokens committed after a draft continue the text the draft was copied from, the
+   next draft continues from the same place without searching. Short n-grams such as ``- name:`` or ``}`` repeat
+   all over configs and code; the cursor keeps a copy on the occurrence it is following.
+2. **The request's own n-gram index** (``NgramIndex``) over reference texts, the prompt and the tokens generated so
+   far: the longest suffix match (``min_n .. max_n``), most recent occurrence first. References come first in the
+   buffer, so the prompt and the output win ties against them.
+3. **The rolling cross-request cache** (``RollingCache``): what earlier requests generated. Used when it matches a
+   longer suffix than the request's own index does.
+
+Draft length is cost-aware (``DrafterConfig.adaptive``): every source bucket (the cursor; an index match by how
+many tokens it really shares with the current suffix; a cache match by n) keeps a running estimate ``a`` of the
+chance that the next drafted token is accepted, and the drafter keeps a running fit of how the target's pass time
+grows with draft length, ``time(d) ~ time(0) * (1 + beta * d)``. A draft of ``d`` tokens then yields
+``1 + a + ... + a^d`` tokens per pass on average; the drafter picks the ``d`` with the best tokens per second and
+drafts nothing when no ``d`` beats a plain step (so open-ended text does not get slower). A bucket that stopped
+drafting slowly forgets its bad record, so copying is probed again later.
+
+None of this can change what the target outputs: it only decides which tokens the target is asked to check.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+from .cache import RollingCache
+from .hf import AssistantProtocol
+from .index import NgramIndex
+
+EMPTY = np.zeros(0, dtype=np.int32)
+SEPARATOR = -1  # between reference texts in the index buffer; never a real token, so no n-gram crosses it
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    # Longest draft. Verifying 32 tokens costs about 3 single steps on a 2-core CPU; more rarely pays.
+    max_draft: int = 32
+    # n-gram sizes the index matches; 1 lets a single shared token start a copy (the cost model prices it).
+    min_n: int = 1
+    max_n: int = 4
+    # Consult and feed the rolling cross-request cache (outputs of earlier requests).
+    use_cache: bool = True
+    # Token budget of the cache the drafter creates when none is passed in.
+    cache_tokens: int = 65536
+    # Choose each draft's length from measured acceptance and pass cost; False drafts max_draft whenever a
+    # match exists (the behaviour of transformers' prompt lookup), for ablations.
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if not 1 <= self.max_draft <= 256:
+            raise ValueError(f"max_draft must be in [1, 256], got {self.max_draft}")
+        if not 1 <= self.min_n <= self.max_n <= 16:
+            raise ValueError(f"need 1 <= min_n <= max_n <= 16, got min_n={self.min_n}, max_n={self.max_n}")
+        if self.cache_tokens < 1:
+            raise ValueError(f"cache_tokens must be >= 1, got {self.cache_tokens}")
+
+
+# Prior chance that the next drafted token is accepted, per source bucket. Index buckets are by how many tokens
+# the match really shares with the current suffix (capped at 32): a long shared context is an aligned copy.
+_PRIORS = {
+    "cursor": 0.85,
+    ("index", 1): 0.25, ("index", 2): 0.35, ("index", 3): 0.45, ("index", 4): 0.55,
+    ("index", 8): 0.7, ("index", 16): 0.8,
+    ("cache", 1): 0.2, ("cache", 2): 0.3, ("cache", 3): 0.4, ("cache", 4): 0.5,
+}
+_PRIOR_WEIGHT = 6.0  # pseudo-observations behind each prior
+_FORGET = 0.97  # per update: recent behaviour counts more (a request moves between copying and writing)
+_RECOVER = 0.85  # per skipped draft: a silent bucket drifts back to its prior, which is how copying is re-probed
+
+
+def _index_bucket(shared: int) -> tuple:
+    for edge in (16, 8, 4, 3, 2):
+        if shared >= edge:
+            return ("index", edge)
+    return ("index", 1)
+
+
+class _Acceptance:
+    """Running estimate, per source bucket, of the chance the next drafted token is accepted.
+
+    A draft that stops at a rejection after ``j`` accepted tokens contributes ``j`` continuations and one stop; a
+    fully accepted draft contributes only continuations. ``a = continuations / (continuations + stops)`` is the
+    maximum-likelihood estimate of a geometric run length with censoring.
+    """
+
+    def __init__(self):
+        self._counts = {}  # bucket -> [continuations, stops], excluding the prior
+        self._lock = threading.Lock()
+
+    def estimate(self, bucket) -> float:
+        prior = _PRIORS[bucket]
+        cont, stops = self._counts.get(bucket, (0.0, 0.0))
+        return (cont + prior * _PRIOR_WEIGHT) / (cont + stops + _PRIOR_WEIGHT)
+
+    def update(self, bucket, accepted: int, rejected: bool) -> None:
+        with self._lock:
+            cont, stops = self._counts.get(bucket, (0.0, 0.0))
+            self._counts[bucket] = [cont * _FORGET + accepted, stops * _FORGET + float(rejected)]
+
+    def skipped(self, bucket) -> None:
+        with self._lock:
+            if bucket in self._counts:
+                self._counts[bucket] = [c * _RECOVER for c in self._counts[bucket]]
+
+
+class _PassCost:
+    """Running least-squares fit of step time against draft length: ``time(d) = t0 + t1 * d``.
+
+    Only the ratio ``beta = t1 / t0`` matters for choosing ``d``. Until the drafts have varied enough to fit a
+    slope, the prior (verifying 32 tokens costs about 3 steps on a 2-core CPU) stands in.
+    """
+
+    PRIOR_BETA = 0.06
+
+    def __init__(self):
+        self._sums = np.zeros(5)  # weight, sum d, sum t, sum d*d, sum d*t (exponentially forgotten)
+        self._lock = threading.Lock()
+
+    def observe(self, draft_len: int, seconds: float) -> None:
+        d, t = float(draft_len), float(seconds)
+        with self._lock:
+            self._sums *= 0.98
+            self._sums += (1.0, d, t, d * d, d * t)
+
+    @property
+    def beta(self) -> float:
+        w, sd, st, sdd, sdt = self._sums
+        if w < 4:
+            return self.PRIOR_BETA
+        var = sdd / w - (sd / w) ** 2
+        if var < 1.0:  # drafts of nearly one length: no slope to see
+            return self.PRIOR_BETA
+        slope = (sdt / w - (sd / w) * (st / w)) / var
+        intercept = st / w - slope * (sd / w)
+        if intercept <= 0:
+            return self.PRIOR_BETA
+        return float(min(max(slope / intercept, 0.005), 1.0))
+
+
+def best_draft_length(accept: float, beta: float, available: int, margin: float = 0.02) -> int:
+    """The draft length with the most expected tokens per unit of time, or 0 if none beats a plain step by
+    ``margin``. Expected tokens for ``d`` drafted: ``1 + a + ... + a^d`` (the +1 is the target's own token)."""
+    best_d, best_gain = 0, 1.0 + margin
+    expected, term = 1.0, 1.0
+    for d in range(1, available + 1):
+        term *= accept
+        expected += term
+        gain = expected / (1.0 + beta * d)
+        if gain > best_gain:
+            best_d, best_gain = d, gain
+        elif d > best_d + 2:  # expected/(1+beta*d) is unimodal in d: past the peak it only falls
+            break
+    return best_d
+
+
+TokenSource = Union[str, Sequence[int], np.ndarray]
+
+
+class LookupDrafter(AssistantProtocol):
+    """Draft-free speculation: proposes continuations copied from the prompt, the output so far, reference texts
+    and earlier outputs.
+
+    Use it with :func:`lookupdec.generate` (one drafter may serve many requests and threads at once), or as
+    ``model.generate(..., assistant_model=LookupDrafter())`` in transformers (one request at a time).
+
+    Args:
+        config: a :class:`DrafterConfig`; or pass its fields as keywords (``LookupDrafter(max_draft=16)``).
+        cache: a shared :class:`~lookupdec.cache.RollingCache`; by default the drafter makes its own when
+            ``config.use_cache`` is set, so outputs of earlier requests help later ones.
+        references: extra texts to copy from, e.g. the file being edited: token-id sequences, or strings when
+            ``tokenizer`` is given.
+        vocab_size: the target's vocabulary size. Only the transformers route under sampling needs it, and it learns
+            it from transformers on its own.
+    """
+
+    def __init__(
+        self,
+        config: Optional[DrafterConfig] = None,
+        *,
+        cache: Optional[RollingCache] = None,
+        references: Optional[Iterable[TokenSource]] = None,
+        tokenizer=None,
+        vocab_size: Optional[int] = None,
+        **fields,
+    ):
+        if config is not None and fields:
+            raise TypeError("pass either a DrafterConfig or its fields as keywords, not both")
+        self.drafter_config = config if config is not None else DrafterConfig(**fields)
+        cfg = self.drafter_config
+        if cache is None and cfg.use_cache:
+            # Unigram hits across unrelated requests are noise; the cache starts at bigrams.
+            cache = RollingCache(max_tokens=cfg.cache_tokens, min_n=max(2, cfg.min_n), max_n=max(2, cfg.max_n))
+        self.cache = cache if cfg.use_cache else None
+        self.references = [_as_tokens(ref, tokenizer) for ref in (references or [])]
+        self.vocab_size = vocab_size
+        self.acceptance = _Acceptance()
+        self.cost = _PassCost()
+
+    def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = ()) -> "DraftSession":
+        """Begin drafting for one request whose context is ``prompt`` (token ids)."""
+        return DraftSession(self, np.asarray(prompt, dtype=np.int32), frozenset(int(t) for t in eos_ids))
+
+
+def _as_tokens(ref: TokenSource, tokenizer) -> np.ndarray:
+    if isinstance(ref, str):
+        if tokenizer is None:
+            raise ValueError("reference texts given as strings need LookupDrafter(tokenizer=...)")
+        return np.asarray(tokenizer.encode(ref, add_special_tokens=False), dtype=np.int32)
+    return np.asarray(ref, dtype=np.int32)
+
+
+class DraftSession:
+    """Drafting state of one request: its index, its alignment cursor, and the draft awaiting verification."""
+
+    def __init__(self, drafter: LookupDrafter, prompt: np.ndarray, eos_ids: frozenset):
+        cfg = drafter.drafter_config
+        self._drafter = drafter
+        self._eos = np.array(sorted(eos_ids), dtype=np.int32)
+        parts = []
+        for ref in drafter.references:
+            parts += [ref, np.array([SEPARATOR], dtype=np.int32)]
+        self._output_start = sum(len(p) for p in parts) + len(prompt)  # t of the first generated token
+        buffer = np.concatenate(parts + [prompt]) if parts else prompt
+        self.index = NgramIndex(cfg.min_n, cfg.max_n, capacity=max(len(buffer) + 1024, 1024))
+        self.index.extend(buffer)
+        self._cursor = -1  # t in the buffer expected to hold the next token, or -1 when not aligned
+        self._pending: tuple = (None, -1, EMPTY)  # (bucket, src, draft) of the proposal awaiting commit
+        self._finished = False
+
+    def propose(self, limit: int) -> np.ndarray:
+        """Up to ``limit`` draft tokens (int32, possibly empty) to verify next."""
+        cfg = self._drafter.drafter_config
+        limit = min(limit, cfg.max_draft)
+        self._pending = (None, -1, EMPTY)
+        if limit <= 0:
+            return EMPTY
+        bucket, src, candidate = self._candidate(limit)
+        if bucket is None:
+            return EMPTY
+        candidate = self._clip(candidate)
+        if cfg.adaptive:
+            accept = self._drafter.acceptance.estimate(bucket)
+            d = best_draft_length(accept, self._drafter.cost.beta, len(candidate))
+            if d == 0:
+                self._drafter.acceptance.skipped(bucket)
+        else:
+            d = len(candidate)
+        draft = candidate[:d]
+        self._pending = (bucket, src, draft)
+        return draft
+
+    def _candidate(self, limit: int) -> tuple:
+        index = self.index
+        if self._cursor >= 0:
+            return "cursor", self._cursor, index.continuation(self._cursor, limit)
+        n, src = index.match()
+        shared = index.match_length(src, 32) if n else 0
+        cache = self._drafter.cache
+        if cache is not None and shared < 8:
+            tokens = index.tokens
+            n_cache, cached = cache.lookup(tokens[max(0, len(tokens) - cache.max_n):], limit)
+            if n_cache > shared:
+                return ("cache", min(n_cache, 4)), -1, cached
+        if n == 0:
+            return None, -1, EMPTY
+        return _index_bucket(shared), src, index.continuation(src, limit)
+
+    def _clip(self, candidate: np.ndarray) -> np.ndarray:
+        """A draft never crosses a reference separator, and never runs past an EOS token."""
+        stop = np.flatnonzero(candidate < 0)
+        if stop.size:
+            candidate = candidate[: stop[0]]
+        if self._eos.size:
+            hit = np.flatnonzero(np.isin(candidate, self._eos))
+            if hit.size:
+                candidate = candidate[: hit[0] + 1]
+        return candidate
+
+    def fallback_token(self) -> np.ndarray:
+        """One token to offer when a caller cannot verify an empty draft: the continuation of the longest match,
+        else a repeat of the last token."""
+        n, src = self.index.match()
+        token = self.index.continuation(src, 1) if n else self.index.tokens[-1:]
+        token = self._clip(np.asarray(token, dtype=np.int32))
+        if token.size == 0:
+            token = self.index.tokens[-1:].copy()
+        self._pending = (None, -1, token)
+        return token
+
+    def commit(self, tokens: Sequence[int], accepted: int, seconds: Optional[float] = None) -> None:
+        """Record a verified step: ``tokens`` is what was appended (accepted draft tokens + the target's token),
+        ``seconds`` the wall time of the step (feeds the cost fit)."""
+        bucket, src, draft = self._pending
+        self._pending = (None, -1, EMPTY)
+        if bucket is not None:
+            self._drafter.acceptance.update(bucket, accepted, rejected=accepted < len(draft))
+        if seconds is not None:
+            self._drafter.cost.observe(len(draft), seconds)
+        new = np.asarray(tokens, dtype=np.int32)
+        self.index.extend(new)
+        # Follow the source the draft came from (or the cursor, if nothing was drafted) through the new tokens.
+        t = src if src >= 0 else self._cursor
+        if t >= 0:
+            buffer = self.index.tokens
+            for token in new:
+                if t < len(buffer) and buffer[t] == token:
+                    t += 1
+                else:
+                    t = -1
+                    break
+        self._cursor = t if 0 <= t < len(self.index) else -1
+
+    @property
+    def output(self) -> np.ndarray:
+        """The tokens generated in this request so far (int32)."""
+        return self.index.tokens[self._output_start:].copy()
+
+    def finish(self) -> None:
+        """End the request: its output joins the rolling cache, with a little of the prompt before it so the
+        first generated tokens can be matched too."""
+        if self._finished:
+            return
+        self._finished = True
+        cache = self._drafter.cache
+        if cache is not None and len(self.index) > self._output_start:
+            start = max(0, self._output_start - cache.max_n)
+            context = self.index.tokens[start:]
+            context = context[np.flatnonzero(context < 0)[-1] + 1:] if (context < 0).any() else context
+            cache.add(context.copy())

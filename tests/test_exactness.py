@@ -1,0 +1,220 @@
+"""Greedy exactness: both routes give plain greedy ``model.generate``'s tokens, token for token (fp32).
+
+The prompts repeat material the model will produce, so drafts are both accepted and rejected; EOS is set to a token
+the greedy output contains, so it lands inside drafts; budgets smaller than a draft are covered.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import lookupdec
+from lookupdec import LookupDrafter
+
+
+def _prompts(model, count=3, seed=0):
+    """Prompts made of a random head, the model's own greedy continuation of it, then the head again: the
+    continuation after the second head is (mostly) a copy, with a divergence where the model's context differs."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    out = []
+    for i in range(count):
+        head = torch.randint(3, vocab, (1, 10 + 3 * i), generator=gen)
+        cont = model.generate(head, attention_mask=torch.ones_like(head), max_new_tokens=24, do_sample=False)
+        prompt = torch.cat([head, cont[:, head.shape[1]:], head], dim=1)
+        prompt[prompt == model.generation_config.pad_token_id] = 3  # never a pad token inside a prompt
+        out.append(prompt)
+    return out
+
+
+def _plain(model, prompt, **kw):
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, **kw)
+
+
+def test_generate_matches_greedy(tiny_model):
+    drafter = LookupDrafter()
+    accepted = 0
+    for prompt in _prompts(tiny_model):
+        for budget in (1, 2, 7, 60):
+            ref = _plain(tiny_model, prompt, max_new_tokens=budget)
+            out = lookupdec.generate(tiny_model, prompt, max_new_tokens=budget, drafter=drafter)
+            assert out.sequences.tolist() == ref.tolist(), (budget, prompt.tolist())
+            assert out.stats.new_tokens == ref.shape[1] - prompt.shape[1]
+            accepted += out.stats.accepted_tokens
+    assert accepted > 0  # the prompts do exercise accepted drafts
+
+
+def test_assistant_route_matches_greedy(tiny_model):
+    drafter = LookupDrafter()
+    for prompt in _prompts(tiny_model):
+        for budget in (1, 5, 60):
+            ref = _plain(tiny_model, prompt, max_new_tokens=budget)
+            out = _plain(tiny_model, prompt, max_new_tokens=budget, assistant_model=drafter)
+            assert out.tolist() == ref.tolist(), budget
+
+
+def test_eos_inside_drafts_stops_like_plain(tiny_model):
+    prompt = _prompts(tiny_model, count=1, seed=3)[0]
+    free = _plain(tiny_model, prompt, max_new_tokens=40)
+    new = free[0, prompt.shape[1]:].tolist()
+    eos = new[len(new) // 2]  # a token the greedy output produces mid-way: it will sit inside copied drafts
+    ref = _plain(tiny_model, prompt, max_new_tokens=40, eos_token_id=eos)
+    config = copy.deepcopy(tiny_model.generation_config)
+    config.eos_token_id = eos
+    out = lookupdec.generate(tiny_model, prompt, max_new_tokens=40, generation_config=config,
+                             drafter=LookupDrafter(adaptive=False))
+    assert out.sequences.tolist() == ref.tolist()
+    assert out.sequences[0, -1].item() == eos
+    via_hf = _plain(tiny_model, prompt, max_new_tokens=40, eos_token_id=eos, assistant_model=LookupDrafter())
+    assert via_hf.tolist() == ref.tolist()
+
+
+def test_budget_smaller_than_draft(tiny_model):
+    # A fixed-length drafter proposes 32 tokens whenever it matches; the budget must still be exact.
+    drafter = LookupDrafter(adaptive=False, max_draft=32)
+    for prompt in _prompts(tiny_model, count=2, seed=5):
+        for budget in (2, 3, 9):
+            ref = _plain(tiny_model, prompt, max_new_tokens=budget)
+            out = lookupdec.generate(tiny_model, prompt, max_new_tokens=budget, drafter=drafter)
+            assert out.sequences.shape[1] == prompt.shape[1] + budget
+            assert out.sequences.tolist() == ref.tolist()
+
+
+def test_fixed_and_adaptive_drafting_agree(tiny_model):
+    # Drafting policy changes speed only: three very different drafters give the same tokens.
+    prompt = _prompts(tiny_model, count=1, seed=7)[0]
+    outs = [
+        lookupdec.generate(tiny_model, prompt, max_new_tokens=50, drafter=d).sequences.tolist()
+        for d in (LookupDrafter(), LookupDrafter(adaptive=False, max_draft=64), LookupDrafter(min_n=3, max_n=3))
+    ]
+    assert outs[0] == outs[1] == outs[2] == _plain(tiny_model, prompt, max_new_tokens=50).tolist()
+
+
+def test_repetition_penalty_matches(tiny_model):
+    for prompt in _prompts(tiny_model, count=2, seed=11):
+        ref = _plain(tiny_model, prompt, max_new_tokens=30, repetition_penalty=1.3)
+        out = lookupdec.generate(tiny_model, prompt, max_new_tokens=30, repetition_penalty=1.3)
+        assert out.sequences.tolist() == ref.tolist()
+        via_hf = _plain(tiny_model, prompt, max_new_tokens=30, repetition_penalty=1.3,
+                        assistant_model=LookupDrafter())
+        assert via_hf.tolist() == ref.tolist()
+
+
+class _StopAfter(StoppingCriteria):
+    """Stops once `token` has been generated (a stand-in for stop strings, which need a tokenizer)."""
+
+    def __init__(self, token, prompt_len):
+        self.token, self.prompt_len = token, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.prompt_len:] == self.token).any(dim=1)
+
+
+def test_stopping_criteria_fire_mid_draft(tiny_model):
+    prompt = _prompts(tiny_model, count=1, seed=13)[0]
+    free = _plain(tiny_model, prompt, max_new_tokens=40)[0, prompt.shape[1]:].tolist()
+    stop = free[len(free) // 3]
+    criteria = StoppingCriteriaList([_StopAfter(stop, prompt.shape[1])])
+    ref = _plain(tiny_model, prompt, max_new_tokens=40, stopping_criteria=criteria)
+    out = lookupdec.generate(tiny_model, prompt, max_new_tokens=40, stopping_criteria=criteria,
+                             drafter=LookupDrafter(adaptive=False))
+    assert out.sequences.tolist() == ref.tolist()
+    assert out.sequences.shape[1] < prompt.shape[1] + 40
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_gets_prompt_then_every_token_once(tiny_model):
+    prompt = _prompts(tiny_model, count=1, seed=17)[0]
+    streamer = _Collect()
+    out = lookupdec.generate(tiny_model, prompt, max_new_tokens=40, streamer=streamer)
+    assert streamer.chunks[0] == prompt[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out.sequences[0, prompt.shape[1]:].tolist()
+    assert len(streamer.chunks) - 1 == out.stats.target_passes  # one chunk per pass: drafts arrive in blocks
+    assert streamer.ended
+
+
+def test_left_padding_in_a_batch_of_one(tiny_model):
+    prompt = _prompts(tiny_model, count=1, seed=19)[0]
+    pad = torch.full((1, 4), tiny_model.generation_config.pad_token_id)
+    padded = torch.cat([pad, prompt], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones_like(prompt)], dim=1)
+    ref = _plain(tiny_model, prompt, max_new_tokens=20)
+    out = lookupdec.generate(tiny_model, padded, attention_mask=mask, max_new_tokens=20)
+    assert out.sequences[:, :4].tolist() == pad.tolist()
+    assert out.sequences[:, 4:].tolist() == ref.tolist()
+
+
+def test_user_logits_processor_is_applied(tiny_model):
+    from transformers import SuppressTokensLogitsProcessor
+
+    prompt = _prompts(tiny_model, count=1, seed=23)[0]
+    banned = _plain(tiny_model, prompt, max_new_tokens=10)[0, prompt.shape[1]:].tolist()[:3]
+    procs = LogitsProcessorList([SuppressTokensLogitsProcessor(banned)])
+    ref = _plain(tiny_model, prompt, max_new_tokens=30, logits_processor=procs)
+    out = lookupdec.generate(tiny_model, prompt, max_new_tokens=30, logits_processor=procs)
+    assert out.sequences.tolist() == ref.tolist()
+    assert not set(banned) & set(out.sequences[0, prompt.shape[1]:].tolist())
+
+
+def test_runs_under_inference_mode(tiny_model):
+    prompt = _prompts(tiny_model, count=1)[0]
+    seen = []
+    handle = tiny_model.register_forward_hook(lambda *a: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        lookupdec.generate(tiny_model, prompt, max_new_tokens=8)
+    finally:
+        handle.remove()
+    assert seen and all(seen)
+
+
+def test_cache_never_holds_rejected_positions(tiny_model):
+    # Each pass must see exactly the committed tokens in the KV cache: prompt + new - 1 before the step.
+    prompt = _prompts(tiny_model, count=1, seed=29)[0]
+    lengths = []
+
+    def hook(module, args, kwargs, output):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        lengths.append((cache.get_seq_length(), kwargs["input_ids"].shape[1]))
+
+    handle = tiny_model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        out = lookupdec.generate(tiny_model, prompt, max_new_tokens=40, drafter=LookupDrafter(adaptive=False))
+    finally:
+        handle.remove()
+    # After each forward the cache holds what it held before plus the tokens fed; the next forward must start
+    # from exactly the committed length minus one (the last token is fed again).
+    committed = prompt.shape[1]
+    for (after, fed), (next_after, next_fed) in zip(lengths, lengths[1:]):
+        before_next = next_after - next_fed
+        assert before_next <= after
+        assert before_next >= committed - 1
+        committed = before_next + 1
+    assert out.stats.target_passes == len(lengths)
+
+
+def test_batch_above_one_is_refused(tiny_model):
+    prompt = _prompts(tiny_model, count=1)[0]
+    with pytest.raises(NotImplementedError, match="batch size 1"):
+        lookupdec.generate(tiny_model, prompt.repeat(2, 1), max_new_tokens=4)
+
+
+def test_bad_arguments(tiny_model):
+    prompt = _prompts(tiny_model, count=1)[0]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        lookupdec.generate(tiny_model, prompt, max_new_tokens=0)
+    with pytest.raises(ValueError, match="input_ids"):
+        lookupdec.generate(tiny_model, prompt[0], max_new_tokens=4)
