@@ -14,7 +14,7 @@ Sources, in the order a proposal consults them:
 Draft length is cost-aware (``DrafterConfig.adaptive``): every source bucket (the cursor; an index match by how
 many tokens it really shares with the current suffix; a cache match by n) keeps a running estimate ``a`` of the
 chance that the next drafted token is accepted, and the drafter keeps a running fit of how the target's pass time
-grows with draft length, ``time(d) ~ time(0) * (1 + beta * d)``. A draft of ``d`` tokens then yields
+grows with draft length (``PassCost``: any draft costs a jump, then a little per token). A draft of ``d`` tokens yields
 ``1 + a + ... + a^d`` tokens per pass on average; the drafter picks the ``d`` with the best tokens per second and
 drafts nothing when no ``d`` beats a plain step (so open-ended text does not get slower). A bucket that stopped
 drafting slowly forgets its bad record, so copying is probed again later.
@@ -65,7 +65,8 @@ class DrafterConfig:
 # Prior chance that the next drafted token is accepted, per source bucket. Index buckets are by how many tokens
 # the match really shares with the current suffix (capped at 32): a long shared context is an aligned copy.
 _PRIORS = {
-    "cursor": 0.85,
+    ("cursor", 1): 0.6, ("cursor", 2): 0.65, ("cursor", 3): 0.7, ("cursor", 4): 0.75,
+    ("cursor", 8): 0.85, ("cursor", 16): 0.92,
     ("index", 1): 0.25, ("index", 2): 0.35, ("index", 3): 0.45, ("index", 4): 0.55,
     ("index", 8): 0.7, ("index", 16): 0.8,
     ("cache", 1): 0.2, ("cache", 2): 0.3, ("cache", 3): 0.4, ("cache", 4): 0.5,
@@ -75,11 +76,11 @@ _FORGET = 0.97  # per update: recent behaviour counts more (a request moves betw
 _RECOVER = 0.85  # per skipped draft: a silent bucket drifts back to its prior, which is how copying is re-probed
 
 
-def _index_bucket(shared: int) -> tuple:
+def _bucket(kind: str, shared: int) -> tuple:
     for edge in (16, 8, 4, 3, 2):
         if shared >= edge:
-            return ("index", edge)
-    return ("index", 1)
+            return (kind, edge)
+    return (kind, 1)
 
 
 class _Acceptance:
@@ -110,52 +111,72 @@ class _Acceptance:
                 self._counts[bucket] = [c * _RECOVER for c in self._counts[bucket]]
 
 
-class _PassCost:
-    """Running least-squares fit of step time against draft length: ``time(d) = t0 + t1 * d``.
+class PassCost:
+    """Running model of a step's wall time against draft length ``d``, relative to a plain step.
 
-    Only the ratio ``beta = t1 / t0`` matters for choosing ``d``. Until the drafts have varied enough to fit a
-    slope, the prior (verifying 32 tokens costs about 3 steps on a 2-core CPU) stands in.
+    Measured on a 2-core CPU with SmolLM2-135M: a plain step (one token) runs matrix-vector products, while any
+    draft turns them into matrix-matrix products, which cost about 1.6 plain steps at once and then ~5% of a step
+    per drafted token (32 tokens: ~3.2 steps). So the model is ``time(0) = t0`` and
+    ``time(d) = t1 + slope * d`` for ``d >= 1``, fitted by exponentially forgotten least squares on the steps
+    actually run. Until enough steps of a kind have been seen, the measured CPU shape above stands in.
     """
 
-    PRIOR_BETA = 0.06
+    PRIOR_JUMP = 0.55  # time(1) / time(0) - 1 - PRIOR_SLOPE
+    PRIOR_SLOPE = 0.05  # per drafted token, relative to time(0)
+    _KEEP = 0.95  # forgetting per observation: machines are shared, and load drifts
 
     def __init__(self):
-        self._sums = np.zeros(5)  # weight, sum d, sum t, sum d*d, sum d*t (exponentially forgotten)
+        self._plain = np.zeros(2)  # weight, sum t over d == 0
+        self._draft = np.zeros(5)  # weight, sum d, sum t, sum d*d, sum d*t over d >= 1
         self._lock = threading.Lock()
 
     def observe(self, draft_len: int, seconds: float) -> None:
         d, t = float(draft_len), float(seconds)
         with self._lock:
-            self._sums *= 0.98
-            self._sums += (1.0, d, t, d * d, d * t)
+            if draft_len == 0:
+                self._plain *= self._KEEP
+                self._plain += (1.0, t)
+            else:
+                self._draft *= self._KEEP
+                self._draft += (1.0, d, t, d * d, d * t)
 
-    @property
-    def beta(self) -> float:
-        w, sd, st, sdd, sdt = self._sums
-        if w < 4:
-            return self.PRIOR_BETA
-        var = sdd / w - (sd / w) ** 2
-        if var < 1.0:  # drafts of nearly one length: no slope to see
-            return self.PRIOR_BETA
-        slope = (sdt / w - (sd / w) * (st / w)) / var
-        intercept = st / w - slope * (sd / w)
-        if intercept <= 0:
-            return self.PRIOR_BETA
-        return float(min(max(slope / intercept, 0.005), 1.0))
+    def relative(self) -> tuple:
+        """``(jump, slope)`` with ``time(d) / time(0) = 1 + jump + slope * d`` for ``d >= 1``."""
+        w0, s0 = self._plain
+        w, sd, st, sdd, sdt = self._draft
+        if w < 2:
+            return self.PRIOR_JUMP, self.PRIOR_SLOPE
+        mean_d, mean_t = sd / w, st / w
+        var = sdd / w - mean_d**2
+        t0 = s0 / w0 if w0 >= 2 else None
+        if var >= 4.0 and w >= 4:
+            slope = (sdt / w - mean_d * mean_t) / var
+        elif t0 is not None:
+            slope = self.PRIOR_SLOPE * t0
+        else:
+            slope = mean_t * self.PRIOR_SLOPE / (1 + self.PRIOR_JUMP + self.PRIOR_SLOPE * (1 + mean_d))
+        slope = max(slope, 0.0)
+        t1 = mean_t - slope * mean_d
+        if t0 is None:
+            t0 = t1 / (1 + self.PRIOR_JUMP + self.PRIOR_SLOPE)
+        if t0 <= 0:
+            return self.PRIOR_JUMP, self.PRIOR_SLOPE
+        return max(t1 / t0 - 1.0, 0.0), slope / t0
 
 
-def best_draft_length(accept: float, beta: float, available: int, margin: float = 0.02) -> int:
+def best_draft_length(accept: float, jump: float, slope: float, available: int, margin: float = 0.02) -> int:
     """The draft length with the most expected tokens per unit of time, or 0 if none beats a plain step by
-    ``margin``. Expected tokens for ``d`` drafted: ``1 + a + ... + a^d`` (the +1 is the target's own token)."""
+    ``margin``. Expected tokens for ``d`` drafted: ``1 + a + ... + a^d`` (the +1 is the target's own token);
+    time: ``1`` for ``d == 0`` and ``1 + jump + slope * d`` otherwise."""
     best_d, best_gain = 0, 1.0 + margin
     expected, term = 1.0, 1.0
     for d in range(1, available + 1):
         term *= accept
         expected += term
-        gain = expected / (1.0 + beta * d)
+        gain = expected / (1.0 + jump + slope * d)
         if gain > best_gain:
             best_d, best_gain = d, gain
-        elif d > best_d + 2:  # expected/(1+beta*d) is unimodal in d: past the peak it only falls
+        elif best_d and d > best_d + 2:  # past the peak of a unimodal curve
             break
     return best_d
 
@@ -201,7 +222,7 @@ class LookupDrafter(AssistantProtocol):
         self.references = [_as_tokens(ref, tokenizer) for ref in (references or [])]
         self.vocab_size = vocab_size
         self.acceptance = _Acceptance()
-        self.cost = _PassCost()
+        self.cost = PassCost()
 
     def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = ()) -> "DraftSession":
         """Begin drafting for one request whose context is ``prompt`` (token ids)."""
@@ -247,7 +268,7 @@ class DraftSession:
         candidate = self._clip(candidate)
         if cfg.adaptive:
             accept = self._drafter.acceptance.estimate(bucket)
-            d = best_draft_length(accept, self._drafter.cost.beta, len(candidate))
+            d = best_draft_length(accept, *self._drafter.cost.relative(), len(candidate))
             if d == 0:
                 self._drafter.acceptance.skipped(bucket)
         else:
@@ -259,7 +280,8 @@ class DraftSession:
     def _candidate(self, limit: int) -> tuple:
         index = self.index
         if self._cursor >= 0:
-            return "cursor", self._cursor, index.continuation(self._cursor, limit)
+            shared = index.match_length(self._cursor, 32)
+            return _bucket("cursor", shared), self._cursor, index.continuation(self._cursor, limit)
         n, src = index.match()
         shared = index.match_length(src, 32) if n else 0
         cache = self._drafter.cache
@@ -270,7 +292,7 @@ class DraftSession:
                 return ("cache", min(n_cache, 4)), -1, cached
         if n == 0:
             return None, -1, EMPTY
-        return _index_bucket(shared), src, index.continuation(src, limit)
+        return _bucket("index", shared), src, index.continuation(src, limit)
 
     def _clip(self, candidate: np.ndarray) -> np.ndarray:
         """A draft never crosses a reference separator, and never runs past an EOS token."""

@@ -132,8 +132,8 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
     stats = GenerationStats()
 
     # seq holds prompt + committed tokens (and, during a step, the draft): processors read prefixes of it.
-    capacity = prompt_len + max_new_tokens + drafter.drafter_config.max_draft + 1
-    seq = torch.empty((1, capacity), dtype=torch.long, device=device)
+    # A draft never exceeds the remaining budget minus one, so this is enough room.
+    seq = torch.empty((1, prompt_len + max_new_tokens), dtype=torch.long, device=device)
     seq[:, :prompt_len] = prompt
     cur = prompt_len  # committed length
 

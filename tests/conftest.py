@@ -49,3 +49,14 @@ def smollm2():
         return models.load_model()
     except models.ModelLoadError as err:
         pytest.skip(f"embedded model unavailable: {err}")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """(model, tokenizer) of Gemma 3 270M (base model, sliding-window layers); skipped without its package."""
+    from lookupdec import models
+
+    try:
+        return models.load_model("gemma3")
+    except models.ModelLoadError as err:
+        pytest.skip(f"gemma3 unavailable: {err}")

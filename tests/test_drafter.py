@@ -1,0 +1,153 @@
+"""LookupDrafter: the match policy, the cost model, and configuration. No model needed."""
+
+import numpy as np
+import pytest
+
+from lookupdec import DrafterConfig, LookupDrafter, RollingCache
+from lookupdec.drafter import PassCost, best_draft_length
+
+
+def _session(prompt, **config):
+    drafter = LookupDrafter(adaptive=False, use_cache=False, **config)
+    return drafter, drafter.start(np.asarray(prompt, dtype=np.int32))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_draft": 0}, r"max_draft must be in \[1, 256\]"),
+    ({"max_draft": 257}, r"max_draft must be in \[1, 256\]"),
+    ({"min_n": 0}, "1 <= min_n <= max_n <= 16"),
+    ({"min_n": 3, "max_n": 2}, "1 <= min_n <= max_n <= 16"),
+    ({"max_n": 17}, "1 <= min_n <= max_n <= 16"),
+    ({"cache_tokens": 0}, "cache_tokens must be >= 1"),
+])
+def test_invalid_config_is_refused_with_the_allowed_range(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DrafterConfig(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        LookupDrafter(**kwargs)
+
+
+def test_config_and_fields_are_exclusive():
+    with pytest.raises(TypeError):
+        LookupDrafter(DrafterConfig(), max_draft=4)
+
+
+def test_no_draft_is_always_an_empty_int32_array():
+    _, session = _session([5, 6, 7])
+    for limit in (0, 3):
+        draft = session.propose(limit)
+        assert isinstance(draft, np.ndarray) and draft.dtype == np.int32 and draft.size == 0
+
+
+def test_draft_copies_the_continuation_of_the_suffix():
+    _, session = _session([1, 2, 3, 4, 5, 9, 1, 2])
+    assert session.propose(3).tolist() == [3, 4, 5]
+
+
+def test_draft_respects_the_limit_and_max_draft():
+    _, session = _session(list(range(10, 50)) + [10, 11], max_draft=5)
+    assert session.propose(100).tolist() == [12, 13, 14, 15, 16]  # max_draft
+    assert session.propose(2).tolist() == [12, 13]  # the caller's budget
+
+
+def test_draft_stops_after_eos():
+    drafter = LookupDrafter(adaptive=False, use_cache=False)
+    session = drafter.start(np.array([1, 2, 3, 99, 4, 1, 2]), eos_ids=[99])
+    assert session.propose(10).tolist() == [3, 99]  # Not [3, 99, 4, 1, 2]: a draft never crosses EOS
+
+
+def test_draft_never_crosses_into_another_reference():
+    # references [7, 8, 9] and [5, 6]: the separator between them ends a draft copied from the first.
+    drafter = LookupDrafter(adaptive=False, use_cache=False, references=[[7, 8, 9], [5, 6]])
+    session = drafter.start(np.array([3, 7, 8]))
+    assert session.propose(10).tolist() == [9]
+
+
+def test_string_references_need_a_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer"):
+        LookupDrafter(references=["some text"])
+
+
+def test_cursor_keeps_copying_from_the_same_occurrence():
+    # "1 2 3 4" occurs twice in the source, followed by 20 the first time and by 30 the second. The output is
+    # copying the first occurrence; once it has produced "1 2 3 4" the cursor goes on with 20, where the index
+    # alone would jump to the most recent occurrence and draft 30.
+    source = [5, 1, 2, 3, 4, 20, 21, 9, 1, 2, 3, 4, 30, 31]
+    _, session = _session(source + [5])
+    assert session.propose(3).tolist() == [1, 2, 3]
+    session.commit([1, 2, 3, 4], accepted=3)  # all accepted, the target added 4
+    assert session.index.match()[1] == 12  # the index alone: the second occurrence
+    assert session.propose(3).tolist() == [20, 21, 9]  # Not [30, 31]
+
+
+def test_output_of_a_finished_request_helps_the_next_one_through_the_cache():
+    cache = RollingCache(max_tokens=1000)
+    drafter = LookupDrafter(adaptive=False, cache=cache)
+    first = drafter.start(np.array([1, 2, 3]))
+    first.commit([50, 51, 52, 53, 54, 55], accepted=0)
+    first.finish()
+    assert len(cache) > 0
+    second = drafter.start(np.array([7, 8, 50, 51]))  # the new prompt ends like the old output began
+    assert second.propose(3).tolist() == [52, 53, 54]
+
+
+def test_use_cache_false_means_no_cache():
+    assert LookupDrafter(use_cache=False).cache is None
+    assert LookupDrafter().cache is not None
+
+
+def test_adaptive_drafter_stops_drafting_where_drafts_fail():
+    # Text where every index match is wrong: after a few rejected drafts the drafter stops proposing.
+    drafter = LookupDrafter(use_cache=False)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 4, size=200).astype(np.int32)  # tiny vocabulary: matches everywhere, all noise
+    session = drafter.start(prompt)
+    lengths = []
+    for _ in range(60):
+        draft = session.propose(16)
+        lengths.append(len(draft))
+        truth = rng.integers(100, 200, size=len(draft) + 1)  # never what was drafted
+        session.commit(truth[:1], accepted=0, seconds=1.0 if len(draft) == 0 else 1.6)
+    assert sum(lengths[-20:]) == 0, lengths
+
+
+def test_adaptive_drafter_drafts_long_on_a_faithful_copy():
+    drafter = LookupDrafter(use_cache=False)
+    source = np.arange(1000, 1400, dtype=np.int32)
+    session = drafter.start(np.concatenate([source, source[:3]]))
+    pos, lengths = 3, []
+    while pos < 300:
+        draft = session.propose(32)
+        lengths.append(len(draft))
+        truth = source[pos: pos + len(draft) + 1]
+        accepted = len(draft) if np.array_equal(draft, truth[: len(draft)]) else 0
+        session.commit(truth[: accepted + 1], accepted=accepted, seconds=1.0 + 0.6 * bool(len(draft)))
+        pos += accepted + 1
+    assert max(lengths[-5:]) >= 16, lengths
+
+
+@pytest.mark.parametrize("accept, jump, slope, expected", [
+    (0.0, 0.55, 0.05, 0),  # nothing is ever accepted: never draft
+    (0.3, 0.55, 0.05, 0),  # 1 + 0.3 + ... < 1.6: a draft costs more than it yields
+    (0.99, 0.55, 0.05, 32),  # a near-certain copy: as long as allowed
+    (0.5, 0.0, 0.0, 32),  # drafting is free: any chance pays, take all
+])
+def test_best_draft_length(accept, jump, slope, expected):
+    assert best_draft_length(accept, jump, slope, 32) == expected
+
+
+def test_best_draft_length_is_the_argmax_of_expected_tokens_per_time():
+    for accept in (0.6, 0.8, 0.9):
+        gains = [1.02] + [sum(accept**i for i in range(d + 1)) / (1.55 + 0.05 * d) for d in range(1, 33)]
+        assert best_draft_length(accept, 0.55, 0.05, 32) == int(np.argmax(gains))
+
+
+def test_pass_cost_recovers_the_shape_it_is_shown():
+    cost = PassCost()
+    assert cost.relative() == (PassCost.PRIOR_JUMP, PassCost.PRIOR_SLOPE)  # nothing seen: the prior
+    for _ in range(20):
+        for d in (0, 2, 8, 16, 32):
+            cost.observe(d, 0.040 if d == 0 else 0.040 * (1.3 + 0.02 * d))
+    jump, slope = cost.relative()
+    assert jump == pytest.approx(0.3, abs=1e-6)
+    assert slope == pytest.approx(0.02, abs=1e-6)
