@@ -1,0 +1,353 @@
+"""Speed and exactness of lookupdec against plain greedy, transformers' prompt lookup and an oracle drafter.
+
+Systems run side by side on each prompt, interleaved (A B C ... then again in rotated order), so drift of this
+shared machine hits all of them alike. Ratios are computed inside one run, never across runs:
+
+- ``greedy``: plain ``model.generate`` (the reference output and the 1.0x line)
+- ``pld``: transformers' prompt lookup, ``prompt_lookup_num_tokens=10`` (its documented setting)
+- ``pld_tuned``: prompt lookup with ``--pld-tokens`` / ``--pld-ngram`` (default 20 / 3, the best of a small sweep on
+  YAML edits; ``--pld-sweep`` reruns that sweep on the copy-heavy prompts and uses its winner)
+- ``lookupdec``: ``lookupdec.generate`` with a fresh ``LookupDrafter`` per request (no cross-request cache help)
+- ``lookupdec_hf``: ``model.generate(assistant_model=LookupDrafter())`` (transformers' loop)
+- ``oracle``: ``lookupdec.generate`` with a drafter that knows the greedy output and drafts up to 32 tokens: the
+  ceiling any lookup drafter can reach on this hardware with this loop.
+
+Per prompt it records new tokens, target passes, tokens per pass (the target's own token of each pass included),
+acceptance by draft position, the share of time spent drafting, wall time, and whether the output is
+token-identical to greedy. It writes ``results.json`` (raw), ``results.md`` (tables) and, with matplotlib,
+``speedup.png`` and ``tokens_per_pass.png`` into ``--out``.
+
+Examples::
+
+    python benchmarks/run.py --quick                 # a few prompts per suite, 128 new tokens, ~10 min on 2 cores
+    python benchmarks/run.py                         # the full run documented in the README
+    python benchmarks/run.py --suites yaml code --reps 3 --out /tmp/bench
+    python benchmarks/run.py --sample --quick        # T=0.7, fixed seed, speed only
+    python benchmarks/run.py --model /path/to/model.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lookupdec  # noqa: E402
+from lookupdec import LookupDrafter  # noqa: E402
+from lookupdec.models import load_model  # noqa: E402
+from workloads import COPY_HEAVY, SUITES  # noqa: E402
+
+SYSTEMS = ("greedy", "pld", "pld_tuned", "lookupdec", "lookupdec_hf", "oracle")
+
+
+class OracleDrafter:
+    """Drafts the known greedy continuation: every draft is right, so only the verification cost remains."""
+
+    def __init__(self, answer: list, max_draft: int = 32):
+        self.answer = answer
+        self.max_draft = max_draft
+
+    def start(self, prompt, eos_ids=()):
+        return _OracleSession(self.answer, self.max_draft)
+
+
+class _OracleSession:
+    def __init__(self, answer, max_draft):
+        self.answer, self.max_draft, self.done = answer, max_draft, 0
+
+    def propose(self, limit):
+        k = min(limit, self.max_draft)
+        return np.asarray(self.answer[self.done + 0: self.done + k], dtype=np.int32)
+
+    def commit(self, tokens, accepted, seconds=None):
+        self.done += len(tokens)
+
+    def finish(self):
+        pass
+
+
+@dataclass
+class Run:
+    system: str
+    seconds: float
+    new_tokens: int
+    passes: int
+    identical: bool
+    accepted_per_position: list = field(default_factory=list)
+    drafted_per_position: list = field(default_factory=list)
+    draft_seconds: float = 0.0
+
+
+class PassCounter:
+    """Counts target forward passes of any system through a forward pre-hook."""
+
+    def __init__(self, model):
+        self.count = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+
+def run_system(system, model, ids, args, counter, answer, pld):
+    kw = dict(max_new_tokens=args.max_new_tokens)
+    if args.sample:
+        kw.update(do_sample=True, temperature=0.7, top_k=0, top_p=1.0)
+        torch.manual_seed(args.seed)
+    else:
+        kw.update(do_sample=False)
+    mask = torch.ones_like(ids)
+    counter.count = 0
+    stats = None
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if system == "greedy":
+            out = model.generate(ids, attention_mask=mask, **kw)
+        elif system == "pld":
+            out = model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=10, **kw)
+        elif system == "pld_tuned":
+            out = model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=pld[0],
+                                 max_matching_ngram_size=pld[1], **kw)
+        elif system == "lookupdec_hf":
+            out = model.generate(ids, attention_mask=mask, assistant_model=LookupDrafter(), **kw)
+        else:
+            drafter = OracleDrafter(answer) if system == "oracle" else LookupDrafter()
+            gen = torch.Generator().manual_seed(args.seed) if args.sample else None
+            res = lookupdec.generate(model, ids, attention_mask=mask, drafter=drafter, generator=gen, **kw)
+            out, stats = res.sequences, res.stats
+    seconds = time.perf_counter() - start
+    new = out[0, ids.shape[1]:].tolist()
+    run = Run(system, seconds, len(new), counter.count, identical=(answer is None or new == answer))
+    if stats is not None:
+        run.accepted_per_position = stats.accepted_per_position
+        run.drafted_per_position = stats.drafted_per_position
+        run.draft_seconds = stats.draft_seconds
+    return run, new
+
+
+def encode(tokenizer, user: str) -> torch.Tensor:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:  # a base model: plain text, the instruction last
+        ids = tokenizer(user + "\n\n", return_tensors="pt")["input_ids"]
+    return ids
+
+
+def pick_prompts(args):
+    prompts = []
+    for suite in args.suites:
+        items = SUITES[suite]()
+        if not items:
+            print(f"skipping suite {suite}: its data is not available (../shared/data)", file=sys.stderr)
+            continue
+        limit = args.per_suite if args.per_suite else len(items)
+        prompts += items[:limit]
+    return prompts
+
+
+def sweep_pld(model, tokenizer, prompts, args, counter):
+    """Best (num tokens, max n-gram) for transformers' prompt lookup on the copy-heavy prompts, by median time."""
+    candidates = [(10, 2), (10, 3), (20, 2), (20, 3), (32, 3)]
+    heavy = [p for p in prompts if p.suite in COPY_HEAVY][:4]
+    times = {c: [] for c in candidates}
+    for p in heavy:
+        ids = encode(tokenizer, p.user)
+        for c in candidates:
+            run, _ = run_system("pld_tuned", model, ids, args, counter, None, c)
+            times[c].append(run.seconds)
+    best = min(candidates, key=lambda c: statistics.median(times[c]))
+    print(f"prompt-lookup sweep: best num tokens / max n-gram = {best}", file=sys.stderr)
+    return best
+
+
+def summarize(records, systems):
+    """Per prompt: median time per system and the ratios; per suite: medians of the per-prompt ratios."""
+    rows = []
+    for rec in records:
+        med = {s: statistics.median(r["seconds"] for r in rec["runs"] if r["system"] == s) for s in systems}
+        one = {s: next(r for r in rec["runs"] if r["system"] == s) for s in systems}
+        row = {"suite": rec["suite"], "name": rec["name"], "new_tokens": one["greedy"]["new_tokens"]}
+        for s in systems:
+            row[f"x_{s}"] = med["greedy"] / med[s]
+            row[f"tpp_{s}"] = one[s]["new_tokens"] / max(one[s]["passes"], 1)
+            row[f"same_{s}"] = all(r["identical"] for r in rec["runs"] if r["system"] == s)
+        if "lookupdec" in systems:
+            row["vs_pld"] = med["pld"] / med["lookupdec"] if "pld" in systems else None
+            row["vs_pld_tuned"] = med["pld_tuned"] / med["lookupdec"] if "pld_tuned" in systems else None
+            row["of_oracle"] = (med["oracle"] / med["lookupdec"]) if "oracle" in systems else None
+            ld = [r for r in rec["runs"] if r["system"] == "lookupdec"]
+            row["draft_share"] = statistics.median(r["draft_seconds"] / r["seconds"] for r in ld)
+        rows.append(row)
+    suites = {}
+    for row in rows:
+        suites.setdefault(row["suite"], []).append(row)
+    suite_rows = []
+    for suite, items in suites.items():
+        agg = {"suite": suite, "prompts": len(items)}
+        for key in items[0]:
+            if key.startswith(("x_", "tpp_", "vs_", "of_", "draft_")) and items[0][key] is not None:
+                agg[key] = statistics.median(item[key] for item in items)
+            if key.startswith("same_"):
+                agg[key] = all(item[key] for item in items)
+        suite_rows.append(agg)
+    return rows, suite_rows
+
+
+def markdown(rows, suite_rows, systems, meta):
+    shown = [s for s in systems if s != "greedy"]
+    head = "| suite | prompts | " + " | ".join(f"{s} x" for s in shown) + \
+        " | lookupdec vs pld | vs pld_tuned | of oracle | tok/pass | draft time | identical |"
+    lines = [f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, {meta['mode']}, "
+             f"max_new_tokens={meta['max_new_tokens']}, reps={meta['reps']}, prompt lookup tuned={meta['pld_tuned']}",
+             "", "Per suite (medians over prompts; `x` = speedup over plain greedy in the same run):", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
+
+    def fmt(v, pct=False):
+        if v is None:
+            return "-"
+        return f"{100 * v:.1f}%" if pct else f"{v:.2f}"
+
+    for r in suite_rows:
+        same = all(r.get(f"same_{s}", True) for s in ("lookupdec", "lookupdec_hf", "oracle") if s in systems)
+        lines.append(f"| {r['suite']} | {r['prompts']} | " + " | ".join(fmt(r.get(f"x_{s}")) for s in shown) +
+                     f" | {fmt(r.get('vs_pld'))} | {fmt(r.get('vs_pld_tuned'))} | {fmt(r.get('of_oracle'), True)}"
+                     f" | {fmt(r.get('tpp_lookupdec'))} | {fmt(r.get('draft_share'), True)} | "
+                     f"{'yes' if same else 'NO'} |")
+    lines += ["", "Per prompt:", "", "| prompt | new | " + " | ".join(f"{s} x" for s in shown) +
+              " | tok/pass | identical |", "|" + "---|" * (len(shown) + 4)]
+    for r in rows:
+        same = all(r.get(f"same_{s}", True) for s in ("lookupdec", "lookupdec_hf", "oracle") if s in systems)
+        lines.append(f"| {r['name']} | {r['new_tokens']} | " + " | ".join(fmt(r.get(f"x_{s}")) for s in shown) +
+                     f" | {fmt(r.get('tpp_lookupdec'))} | {'yes' if same else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows, suite_rows, systems, out: Path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return
+    shown = [s for s in systems if s not in ("greedy", "oracle")]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(shown)
+    for i, s in enumerate(shown):
+        ax.bar([j + i * width for j in range(len(suite_rows))], [r.get(f"x_{s}", 0) for r in suite_rows], width,
+               label=s)
+    if "oracle" in systems:
+        for j, r in enumerate(suite_rows):
+            ax.hlines(r["x_oracle"], j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--",
+                      label="oracle (ceiling)" if j == 0 else None)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(suite_rows))], [r["suite"] for r in suite_rows])
+    ax.set_ylabel("speedup over plain greedy (same run)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    data = [[r[f"tpp_{s}"] for r in rows] for s in systems if s != "greedy"]
+    ax.boxplot(data, tick_labels=[s for s in systems if s != "greedy"])
+    ax.set_ylabel("tokens per target pass (per prompt)")
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_pass.png", dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    ap.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--quick", action="store_true", help="2 prompts per suite, 128 new tokens, 1 rep")
+    ap.add_argument("--per-suite", type=int, default=None, help="prompts per suite (default: 6; all with 0)")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--sample", action="store_true", help="T=0.7 with a fixed seed; reports speed only")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pld-tokens", type=int, default=20)
+    ap.add_argument("--pld-ngram", type=int, default=3)
+    ap.add_argument("--pld-sweep", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.per_suite = args.per_suite or 2
+        args.max_new_tokens = args.max_new_tokens or 128
+        args.reps = args.reps or 1
+    args.per_suite = 6 if args.per_suite is None else args.per_suite
+    args.max_new_tokens = args.max_new_tokens or 256
+    args.reps = args.reps or 2
+    systems = [s for s in SYSTEMS if s in args.systems or s == "greedy"]
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from tqdm import tqdm
+
+    t_load = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    print(f"model loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
+    counter = PassCounter(model)
+    prompts = pick_prompts(args)
+    pld = (args.pld_tokens, args.pld_ngram)
+    if args.pld_sweep and "pld_tuned" in systems:
+        pld = sweep_pld(model, tokenizer, prompts, args, counter)
+
+    # Warm-up: JIT compilation, allocator, first-call overheads; not timed.
+    warm = encode(tokenizer, "Say hello.")
+    for s in systems:
+        run_system(s, model, warm, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}), counter,
+                   run_system("greedy", model, warm, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}),
+                              counter, None, pld)[1], pld)
+
+    records = []
+    started = time.perf_counter()
+    bar = tqdm(total=len(prompts) * args.reps * len(systems), file=sys.stderr, desc="benchmark")
+    for i, p in enumerate(prompts):
+        ids = encode(tokenizer, p.user)
+        first, answer = run_system("greedy", model, ids, args, counter, None, pld)
+        first.identical = True
+        runs = [first]
+        bar.update(1)
+        for rep in range(args.reps):
+            order = systems[(i + rep) % len(systems):] + systems[:(i + rep) % len(systems)]
+            for s in order:
+                if s == "greedy" and rep == 0:
+                    continue
+                run, _ = run_system(s, model, ids, args, counter, None if args.sample else answer, pld)
+                runs.append(run)
+                bar.update(1)
+                bar.set_postfix_str(f"{p.name} {s}")
+        records.append({"suite": p.suite, "name": p.name, "prompt_tokens": ids.shape[1],
+                        "runs": [asdict(r) for r in runs]})
+    bar.close()
+    rows, suite_rows = summarize(records, systems)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}", "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        "mode": "sampling T=0.7" if args.sample else "greedy", "max_new_tokens": args.max_new_tokens,
+        "reps": args.reps, "pld_tuned": list(pld), "seconds": round(time.perf_counter() - started, 1),
+        "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "records": records, "prompts": rows,
+                                                       "suites": suite_rows}, indent=1))
+    table = markdown(rows, suite_rows, systems, meta)
+    (args.out / "results.md").write_text(table)
+    plots(rows, suite_rows, systems, args.out)
+    print(table)
+    print(f"total {meta['seconds']}s; results in {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Replay drafting policies against known greedy outputs: a fast, noise-free estimate of speedup.
+
+Under greedy decoding the target's output is fixed, so how many tokens a draft gets accepted does not depend on the
+machine: it is the longest common prefix of the draft and the true continuation. This script computes the greedy
+outputs once (cached in ``--out``), then replays each drafter step by step and charges every pass a relative cost
+from a pass-cost model (default: the shape measured on a 2-core CPU with the embedded model, ``1`` for a plain step
+and ``1.55 + 0.05 * d`` for ``d`` drafted tokens; ``--measure-cost`` re-measures it on this machine).
+
+It is a tuning tool: the wall-clock truth is ``benchmarks/run.py``. Where both were run, they agree on the ranking.
+
+Examples::
+
+    python benchmarks/simulate.py --quick
+    python benchmarks/simulate.py --suites yaml code --per-suite 0
+    python benchmarks/simulate.py --measure-cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lookupdec import LookupDrafter  # noqa: E402
+from lookupdec.models import load_model  # noqa: E402
+from run import encode, pick_prompts  # noqa: E402
+from workloads import SUITES  # noqa: E402
+
+
+def cpu_cost(d: int) -> float:
+    return 1.0 if d == 0 else 1.55 + 0.05 * d
+
+
+def measure_cost(model, lengths=(0, 1, 2, 4, 8, 16, 32, 48)) -> dict:
+    """Median time of one pass with ``d`` drafted tokens on a 300-token cache, relative to a plain step."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(100, 10000, (1, 300))
+    out = {}
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, logits_to_keep=1)
+        for d in lengths:
+            times = []
+            for _ in range(7):
+                feed = torch.randint(100, 10000, (1, d + 1))
+                start = time.perf_counter()
+                model(input_ids=feed, cache=cache, logits_to_keep=d + 1)
+                times.append(time.perf_counter() - start)
+                cache.crop(-(d + 1))
+            out[d] = statistics.median(times)
+    return {d: t / out[0] for d, t in out.items()}
+
+
+def replay(session_factory, prompt: list, answer: list, cost, eos: int) -> dict:
+    """Step a drafter through ``answer``; returns passes, relative time and tokens."""
+    session = session_factory(prompt)
+    passes, spent = 1, cost(0)  # the prefill pass yields the first token
+    committed = [answer[0]]
+    done = 1
+    while done < len(answer):
+        session.commit(np.asarray(committed, dtype=np.int32), len(committed) - 1, None)
+        draft = list(session.propose(len(answer) - done - 1))
+        truth = answer[done:]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[accepted]:
+            accepted += 1
+        committed = truth[: accepted + 1]
+        done += len(committed)
+        passes += 1
+        step = cost(len(draft))
+        spent += step
+        if hasattr(session, "observe"):
+            session.observe(len(draft), step)
+    return {"tokens": len(answer), "passes": passes, "time": spent}
+
+
+class _LookupFactory:
+    def __init__(self, cost, eos, **config):
+        self.cost, self.eos, self.config = cost, eos, config
+
+    def __call__(self, prompt):
+        drafter = LookupDrafter(**self.config)
+        session = drafter.start(prompt, eos_ids=[self.eos])
+        session.observe = lambda d, t: drafter.cost.observe(d, t)
+        return session
+
+
+class _PromptLookupSession:
+    """transformers' PromptLookupCandidateGenerator, re-expressed over a list: n from max_ngram down to 1, the
+    first (leftmost) earlier occurrence with a continuation, ``num_tokens`` copied, cut at EOS."""
+
+    def __init__(self, prompt, num_tokens=10, max_ngram=2, eos=None):
+        self.tokens, self.k, self.max_ngram, self.eos = list(prompt), num_tokens, max_ngram, eos
+
+    def commit(self, tokens, accepted, seconds=None):
+        self.tokens += [int(t) for t in tokens]
+
+    def propose(self, limit):
+        toks = np.asarray(self.tokens)
+        L = len(toks)
+        for n in range(self.max_ngram, 0, -1):
+            if L <= n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(toks, n)
+            hits = np.flatnonzero((windows == toks[-n:]).all(axis=1))
+            for idx in hits:
+                start, end = idx + n, min(idx + n + self.k, L)
+                if start < end:
+                    draft = list(toks[start:end][:max(limit, 0)])
+                    if self.eos in draft:
+                        draft = draft[: draft.index(self.eos) + 1]
+                    return draft
+        return []
+
+
+class _OracleSession:
+    def __init__(self, answer, k=32):
+        self.answer, self.k, self.done = answer, k, 0
+
+    def commit(self, tokens, accepted, seconds=None):
+        self.done += len(tokens)
+
+    def propose(self, limit):
+        return self.answer[self.done: self.done + min(limit, self.k)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
+    ap.add_argument("--per-suite", type=int, default=6)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--measure-cost", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.per_suite = 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model(args.model)
+    cost = cpu_cost
+    if args.measure_cost:
+        table = measure_cost(model)
+        print("measured relative pass cost:", {d: round(c, 2) for d, c in table.items()})
+        ds = sorted(table)
+
+        def cost(d):  # noqa: F811 - piecewise-linear interpolation of the measured table
+            return float(np.interp(d, ds, [table[x] for x in ds]))
+
+    cache_file = args.out / f"greedy_{(args.model or 'smollm2').replace('/', '_')}_{args.max_new_tokens}.json"
+    cached = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    eos = int(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, int)
+              else model.generation_config.eos_token_id[0])
+    rows = []
+    for p in pick_prompts(args):
+        ids = encode(tokenizer, p.user)
+        key = f"{p.suite}/{p.name}"
+        if key not in cached:
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=args.max_new_tokens)
+            cached[key] = out[0, ids.shape[1]:].tolist()
+            cache_file.write_text(json.dumps(cached))
+        prompt, answer = ids[0].tolist(), cached[key]
+        plain = len(answer) * cost(0)
+        systems = {
+            "pld": lambda pr: _PromptLookupSession(pr, 10, 2, eos),
+            "pld_20_3": lambda pr: _PromptLookupSession(pr, 20, 3, eos),
+            "lookupdec": _LookupFactory(cost, eos),
+            "fixed32": _LookupFactory(cost, eos, adaptive=False),
+            "oracle": lambda pr: _OracleSession(answer),
+        }
+        row = {"suite": p.suite, "name": p.name, "tokens": len(answer)}
+        for name, factory in systems.items():
+            r = replay(factory, prompt, answer, cost, eos)
+            row[name] = plain / r["time"]
+            row[f"tpp_{name}"] = r["tokens"] / r["passes"]
+        rows.append(row)
+        print(f"{key:28s} " + " ".join(f"{n} {row[n]:.2f} ({row[f'tpp_{n}']:.1f})" for n in systems))
+    print()
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        items = [r for r in rows if r["suite"] == suite]
+        med = {n: statistics.median(r[n] for r in items) for n in ("pld", "pld_20_3", "lookupdec", "fixed32", "oracle")}
+        print(f"{suite:8s} " + " ".join(f"{n} {v:.2f}" for n, v in med.items()) +
+              f"  lookupdec/pld {med['lookupdec'] / med['pld']:.2f}  of oracle {med['lookupdec'] / med['oracle']:.0%}")
+
+
+if __name__ == "__main__":
+    main()

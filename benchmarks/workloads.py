@@ -1,0 +1,151 @@
+"""Benchmark suites: named lists of chat prompts, built from data nobody on this project wrote where possible.
+
+Suites
+- ``yaml``: edits of the config files shipped in ``examples/configs`` (change a value, add a key, reformat).
+- ``code``: edits of Python standard-library functions read with ``inspect.getsource`` (rename a variable, add
+  type hints, remove the docstring, add a docstring).
+- ``summary``: CNN/DailyMail articles from ``../shared/data/pld_cnn_dm.json`` (the original prompt-lookup study).
+- ``qa``: HAGRID context-QA prompts from ``../shared/data/pld_hagrid.json``.
+- ``open``: open-ended writing, where copying does not help (the control).
+
+Every prompt puts the text before the instruction and asks for the whole result in one fenced block: the
+embedded model copies far more faithfully that way (vLLM PR #18971 saw the same on InstructCoder).
+
+To add a suite: write a function returning ``[Prompt, ...]`` and register it in ``SUITES``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    suite: str
+    name: str
+    user: str  # the user message; the runner applies the model's chat template
+
+
+def _fenced(text: str, lang: str) -> str:
+    return f"```{lang}\n{text.rstrip()}\n```"
+
+
+YAML_EDITS = {
+    "service.yaml": ["Change the server port to 9090.", "Set the logging level to debug and add the feature 'metrics'."],
+    "dependabot.yml": ["Change the pip schedule interval to daily."],
+    "codecov.yml": ["Change the patch target to 90%."],
+    "readthedocs.yaml": ["Set fail_on_warning to false."],
+}
+
+
+def yaml_suite() -> list:
+    out = []
+    for name, edits in YAML_EDITS.items():
+        text = (ROOT / "examples" / "configs" / name).read_text()
+        for i, edit in enumerate(edits):
+            user = (f"{_fenced(text, 'yaml')}\n\n{edit} Keep everything else, including comments, exactly as it is. "
+                    "Reply with the complete updated file in one ```yaml block and nothing else.")
+            out.append(Prompt("yaml", f"{name}#{i}", user))
+    text = (ROOT / "examples" / "configs" / "codecov.yml").read_text()
+    out.append(Prompt("yaml", "codecov.yml#reformat", f"{_fenced(text, 'yaml')}\n\nRewrite this YAML with consistent "
+                      "two-space indentation, keeping every key, value and comment. Reply with the complete file in "
+                      "one ```yaml block and nothing else."))
+    return out
+
+
+def _stdlib_functions():
+    # Pure-Python functions whose source ships with CPython (os and posixpath are frozen: no source).
+    import difflib
+    import fnmatch
+    import shutil
+    import textwrap
+
+    return [("textwrap.indent", textwrap.indent), ("shutil.copyfileobj", shutil.copyfileobj),
+            ("fnmatch.filter", fnmatch.filter), ("difflib.get_close_matches", difflib.get_close_matches)]
+
+
+CODE_EDITS = [
+    ("rename", "Rename the local variable `{var}` to `{var}_value` everywhere in the function."),
+    ("hints", "Add type hints to the function's parameters and return value."),
+    ("nodoc", "Remove the docstring."),
+    ("doc", "Add a one-line docstring if there is none, otherwise shorten the docstring to one line."),
+]
+
+
+def code_suite() -> list:
+    out = []
+    for i, (name, fn) in enumerate(_stdlib_functions()):
+        source = inspect.getsource(fn)
+        local = _a_local_name(source) or "result"
+        for kind, edit in (CODE_EDITS[i % 4], CODE_EDITS[(i + 1) % 4]):
+            user = (f"{_fenced(source, 'python')}\n\n{edit.format(var=local)} Change nothing else. Reply with the "
+                    "complete function in one ```python block and nothing else.")
+            out.append(Prompt("code", f"{name}#{kind}", user))
+    return out
+
+
+def _a_local_name(source: str):
+    names = re.findall(r"^\s+([a-z_][a-z0-9_]*) = ", source, flags=re.M)
+    return names[0] if names else None
+
+
+def _pld_rows(file: str):
+    path = SHARED_DATA / file
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def _strip_inst(prompt: str) -> str:
+    return prompt.replace("[INST]", "").replace("[/INST]", "").strip()
+
+
+def summary_suite(limit: int = 100, max_chars: int = 2500) -> list:
+    rows = _pld_rows("pld_cnn_dm.json")
+    if rows is None:
+        return []
+    out = []
+    for i, row in enumerate(rows[:limit]):
+        body = _strip_inst(row["prompt"])
+        article = body.split("Article:", 1)[-1].rsplit("Summary:", 1)[0].strip()[:max_chars]
+        user = f"Article: {article}\n\nSummarize the article above in a few sentences, reusing its wording."
+        out.append(Prompt("summary", f"cnn_dm#{i}", user))
+    return out
+
+
+def qa_suite(limit: int = 100, max_chars: int = 2500) -> list:
+    rows = _pld_rows("pld_hagrid.json")
+    if rows is None:
+        return []
+    out = []
+    for i, row in enumerate(rows[:limit]):
+        body = _strip_inst(row["prompt"])
+        context, _, rest = body.partition("Question:")
+        question = rest.split("Answer:", 1)[0].strip()
+        context = context.replace("Context:", "", 1).strip()[:max_chars]
+        user = f"Context: {context}\n\nQuestion: {question}\nAnswer from the context, quoting it where you can."
+        out.append(Prompt("qa", f"hagrid#{i}", user))
+    return out
+
+
+OPEN_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain to a ten-year-old why the sky is blue.",
+    "Write a poem about autumn in a small town.",
+    "Describe your ideal weekend in a few paragraphs.",
+]
+
+
+def open_suite() -> list:
+    return [Prompt("open", f"open#{i}", text) for i, text in enumerate(OPEN_PROMPTS)]
+
+
+SUITES = {"yaml": yaml_suite, "code": code_suite, "summary": summary_suite, "qa": qa_suite, "open": open_suite}
+COPY_HEAVY = ("yaml", "code")
