@@ -281,8 +281,12 @@ def main(argv=None):
     ap.add_argument("--pld-tokens", type=int, default=20)
     ap.add_argument("--pld-ngram", type=int, default=3)
     ap.add_argument("--pld-sweep", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for every system (default: torch's choice)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.per_suite = args.per_suite or 2
         args.max_new_tokens = args.max_new_tokens or 128

@@ -64,12 +64,12 @@ class DrafterConfig:
 
 # Prior chance that the next drafted token is accepted, per source bucket. Index buckets are by how many tokens
 # the match really shares with the current suffix (capped at 32): a long shared context is an aligned copy.
-_PRIORS = {
-    ("cursor", 1): 0.6, ("cursor", 2): 0.65, ("cursor", 3): 0.7, ("cursor", 4): 0.75,
-    ("cursor", 8): 0.85, ("cursor", 16): 0.92,
-    ("index", 1): 0.25, ("index", 2): 0.35, ("index", 3): 0.45, ("index", 4): 0.55,
-    ("index", 8): 0.7, ("index", 16): 0.8,
-    ("cache", 1): 0.2, ("cache", 2): 0.3, ("cache", 3): 0.4, ("cache", 4): 0.5,
+_PRIORS = {  # bucket -> (first, then)
+    ("cursor", 1): (0.6, 0.85), ("cursor", 2): (0.65, 0.85), ("cursor", 3): (0.7, 0.9), ("cursor", 4): (0.75, 0.9),
+    ("cursor", 8): (0.85, 0.92), ("cursor", 16): (0.92, 0.95),
+    ("index", 1): (0.25, 0.7), ("index", 2): (0.35, 0.75), ("index", 3): (0.45, 0.8), ("index", 4): (0.55, 0.85),
+    ("index", 8): (0.7, 0.9), ("index", 16): (0.8, 0.92),
+    ("cache", 1): (0.2, 0.7), ("cache", 2): (0.3, 0.75), ("cache", 3): (0.4, 0.8), ("cache", 4): (0.5, 0.85),
 }
 _PRIOR_WEIGHT = 6.0  # pseudo-observations behind each prior
 _FORGET = 0.97  # per update: recent behaviour counts more (a request moves between copying and writing)
@@ -84,26 +84,38 @@ def _bucket(kind: str, shared: int) -> tuple:
 
 
 class _Acceptance:
-    """Running estimate, per source bucket, of the chance the next drafted token is accepted.
+    """Running estimates, per source bucket, of how drafts from that bucket fare.
 
-    A draft that stops at a rejection after ``j`` accepted tokens contributes ``j`` continuations and one stop; a
-    fully accepted draft contributes only continuations. ``a = continuations / (continuations + stops)`` is the
-    maximum-likelihood estimate of a geometric run length with censoring.
+    Copies are bursty: a draft is either wrong at its first token (the copy was from the wrong place) or right for a
+    long stretch (until an edit point). One per-token rate cannot say both, so two are kept:
+    ``first``, the chance the first drafted token is accepted, and ``then``, the chance each later one is, given
+    the ones before it were. A draft that got ``j >= 1`` tokens accepted adds ``j - 1`` continuations, plus a stop
+    if it was cut short; ``then = continuations / (continuations + stops)`` is the maximum-likelihood estimate of a
+    geometric run with censoring.
     """
 
     def __init__(self):
-        self._counts = {}  # bucket -> [continuations, stops], excluding the prior
+        self._counts = {}  # bucket -> [first tries, first accepted, continuations, stops], excluding the prior
         self._lock = threading.Lock()
 
-    def estimate(self, bucket) -> float:
-        prior = _PRIORS[bucket]
-        cont, stops = self._counts.get(bucket, (0.0, 0.0))
-        return (cont + prior * _PRIOR_WEIGHT) / (cont + stops + _PRIOR_WEIGHT)
+    def estimate(self, bucket) -> tuple:
+        """``(first, then)`` for drafts from ``bucket``."""
+        prior_first, prior_then = _PRIORS[bucket]
+        tries, firsts, cont, stops = self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0))
+        first = (firsts + prior_first * _PRIOR_WEIGHT) / (tries + _PRIOR_WEIGHT)
+        then = (cont + prior_then * _PRIOR_WEIGHT) / (cont + stops + _PRIOR_WEIGHT)
+        return first, then
 
-    def update(self, bucket, accepted: int, rejected: bool) -> None:
+    def update(self, bucket, accepted: int, drafted: int) -> None:
+        if drafted == 0:
+            return
         with self._lock:
-            cont, stops = self._counts.get(bucket, (0.0, 0.0))
-            self._counts[bucket] = [cont * _FORGET + accepted, stops * _FORGET + float(rejected)]
+            tries, firsts, cont, stops = (c * _FORGET for c in self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0)))
+            if accepted:
+                firsts += 1.0
+                cont += accepted - 1
+                stops += float(accepted < drafted)
+            self._counts[bucket] = [tries + 1.0, firsts, cont, stops]
 
     def skipped(self, bucket) -> None:
         with self._lock:
@@ -164,16 +176,17 @@ class PassCost:
         return max(t1 / t0 - 1.0, 0.0), slope / t0
 
 
-def best_draft_length(accept: float, jump: float, slope: float, available: int, margin: float = 0.02) -> int:
+def best_draft_length(first: float, then: float, jump: float, slope: float, available: int,
+                      margin: float = 0.02) -> int:
     """The draft length with the most expected tokens per unit of time, or 0 if none beats a plain step by
-    ``margin``. Expected tokens for ``d`` drafted: ``1 + a + ... + a^d`` (the +1 is the target's own token);
-    time: ``1`` for ``d == 0`` and ``1 + jump + slope * d`` otherwise."""
+    ``margin``. Expected tokens for ``d`` drafted: ``1 + first * (1 + then + ... + then^(d-1))`` (the 1 is the
+    target's own token); time: ``1`` for ``d == 0`` and ``1 + jump + slope * d`` otherwise."""
     best_d, best_gain = 0, 1.0 + margin
-    expected, term = 1.0, 1.0
+    run, term = 0.0, 1.0  # run = 1 + then + ... + then^(d-1)
     for d in range(1, available + 1):
-        term *= accept
-        expected += term
-        gain = expected / (1.0 + jump + slope * d)
+        run += term
+        term *= then
+        gain = (1.0 + first * run) / (1.0 + jump + slope * d)
         if gain > best_gain:
             best_d, best_gain = d, gain
         elif best_d and d > best_d + 2:  # past the peak of a unimodal curve
@@ -267,8 +280,8 @@ class DraftSession:
             return EMPTY
         candidate = self._clip(candidate)
         if cfg.adaptive:
-            accept = self._drafter.acceptance.estimate(bucket)
-            d = best_draft_length(accept, *self._drafter.cost.relative(), len(candidate))
+            first, then = self._drafter.acceptance.estimate(bucket)
+            d = best_draft_length(first, then, *self._drafter.cost.relative(), len(candidate))
             if d == 0:
                 self._drafter.acceptance.skipped(bucket)
         else:
@@ -322,7 +335,7 @@ class DraftSession:
         bucket, src, draft = self._pending
         self._pending = (None, -1, EMPTY)
         if bucket is not None:
-            self._drafter.acceptance.update(bucket, accepted, rejected=accepted < len(draft))
+            self._drafter.acceptance.update(bucket, accepted, len(draft))
         if seconds is not None:
             self._drafter.cost.observe(len(draft), seconds)
         new = np.asarray(tokens, dtype=np.int32)

@@ -3,6 +3,11 @@
 import pytest
 import torch
 
+# One intra-op thread: on a 2-core machine shared with anything else, two OpenMP threads make batched passes tens of
+# times slower (a descheduled thread stalls every barrier), while one thread costs little. Results are compared
+# within one process, so the setting is the same for plain and lookup decoding.
+torch.set_num_threads(1)
+
 
 def _tiny(kind: str, vocab_size: int = 96, seed: int = 0, peak: float = 1.0):
     """A tiny random-weight causal LM in fp32. `peak` scales the LM head so logits are peaky."""

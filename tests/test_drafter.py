@@ -126,20 +126,21 @@ def test_adaptive_drafter_drafts_long_on_a_faithful_copy():
     assert max(lengths[-5:]) >= 16, lengths
 
 
-@pytest.mark.parametrize("accept, jump, slope, expected", [
-    (0.0, 0.55, 0.05, 0),  # nothing is ever accepted: never draft
-    (0.3, 0.55, 0.05, 0),  # 1 + 0.3 + ... < 1.6: a draft costs more than it yields
-    (0.99, 0.55, 0.05, 32),  # a near-certain copy: as long as allowed
-    (0.5, 0.0, 0.0, 32),  # drafting is free: any chance pays, take all
+@pytest.mark.parametrize("first, then, jump, slope, expected", [
+    (0.0, 0.9, 0.55, 0.05, 0),  # the first token is never accepted: never draft
+    (0.3, 0.3, 0.55, 0.05, 0),  # 1 + 0.3 + ... < 1.6: a draft costs more than it yields
+    (0.99, 0.99, 0.55, 0.05, 32),  # a near-certain copy: as long as allowed
+    (0.5, 0.5, 0.0, 0.0, 32),  # drafting is free: any chance pays, take all
+    (0.5, 0.98, 0.55, 0.05, 32),  # a coin flip whether the copy is right, but if it is, it runs long
 ])
-def test_best_draft_length(accept, jump, slope, expected):
-    assert best_draft_length(accept, jump, slope, 32) == expected
+def test_best_draft_length(first, then, jump, slope, expected):
+    assert best_draft_length(first, then, jump, slope, 32) == expected
 
 
 def test_best_draft_length_is_the_argmax_of_expected_tokens_per_time():
-    for accept in (0.6, 0.8, 0.9):
-        gains = [1.02] + [sum(accept**i for i in range(d + 1)) / (1.55 + 0.05 * d) for d in range(1, 33)]
-        assert best_draft_length(accept, 0.55, 0.05, 32) == int(np.argmax(gains))
+    for first, then in ((0.6, 0.6), (0.8, 0.9), (0.5, 0.95)):
+        gains = [1.02] + [(1 + first * sum(then**i for i in range(d))) / (1.55 + 0.05 * d) for d in range(1, 33)]
+        assert best_draft_length(first, then, 0.55, 0.05, 32) == int(np.argmax(gains))
 
 
 def test_pass_cost_recovers_the_shape_it_is_shown():
