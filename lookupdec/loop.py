@@ -160,51 +160,44 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
     stats.model_seconds += time.perf_counter() - t0
     stats.target_passes += 1
     verdict = pick(logits, prompt.new_empty(0), process_fn, **extra)
-    last = verdict.token
-    step_tokens = [last]
+    step_tokens = [verdict.token]
     step_started = None
-    finished = False
-    try:
-        while True:
-            # Commit step_tokens (the previous pass's accepted tokens + its target token).
-            n_new = len(step_tokens)
-            seq[0, cur: cur + n_new] = torch.tensor(step_tokens, dtype=torch.long)
-            done, keep = _stop_check(step_tokens, resolved, seq, cur, prompt_len, max_new_tokens)
-            committed = step_tokens[:keep]
-            cur += keep
-            stats.new_tokens += keep
-            if streamer is not None and committed:
-                streamer.put(torch.tensor(committed, dtype=torch.long))
-            if done:
-                break
-            t0 = time.perf_counter()
-            seconds = (t0 - step_started) if step_started is not None else None
-            session.commit(np.asarray(step_tokens, dtype=np.int32), len(step_tokens) - 1, seconds)
-            step_started = t0
-            # The bonus/recovered token always follows the draft, so the draft may use all but one of the budget.
-            draft = session.propose(max_new_tokens - (cur - prompt_len) - 1)
-            stats.draft_seconds += time.perf_counter() - t0
-            d = len(draft)
-            draft_t = torch.from_numpy(draft.astype(np.int64)).to(device)
-            seq[0, cur: cur + d] = draft_t
-            feed = seq[:, cur - 1: cur + d]  # [1, d + 1]: last committed token + draft
+    while True:
+        # Commit step_tokens (the previous pass's accepted tokens + its target token).
+        n_new = len(step_tokens)
+        seq[0, cur: cur + n_new] = torch.tensor(step_tokens, dtype=torch.long)
+        done, keep = _stop_check(step_tokens, resolved, seq, cur, prompt_len, max_new_tokens)
+        committed = step_tokens[:keep]
+        cur += keep
+        stats.new_tokens += keep
+        if streamer is not None and committed:
+            streamer.put(torch.tensor(committed, dtype=torch.long))
+        if done:
+            break
+        t0 = time.perf_counter()
+        seconds = (t0 - step_started) if step_started is not None else None
+        session.commit(np.asarray(step_tokens, dtype=np.int32), len(step_tokens) - 1, seconds)
+        step_started = t0
+        # The bonus/recovered token always follows the draft, so the draft may use all but one of the budget.
+        draft = session.propose(max_new_tokens - (cur - prompt_len) - 1)
+        stats.draft_seconds += time.perf_counter() - t0
+        d = len(draft)
+        draft_t = torch.from_numpy(draft.astype(np.int64)).to(device)
+        seq[0, cur: cur + d] = draft_t
+        feed = seq[:, cur - 1: cur + d]  # [1, d + 1]: last committed token + draft
 
-            t0 = time.perf_counter()
-            logits = _forward(model, feed, cache, d + 1, params)  # [d + 1, vocab]
-            stats.model_seconds += time.perf_counter() - t0
-            stats.target_passes += 1
+        t0 = time.perf_counter()
+        logits = _forward(model, feed, cache, d + 1, params)  # [d + 1, vocab]
+        stats.model_seconds += time.perf_counter() - t0
+        stats.target_passes += 1
 
-            verdict = pick(logits, draft_t, process_fn, **extra)
-            stats._record(d, verdict.accepted)
-            if verdict.accepted < d:
-                cache.crop(-(d - verdict.accepted))
-            elif hasattr(cache, "activate_past_recording"):
-                cache.crop(0)  # lets sliding-window layers drop the past they kept for a possible rollback
-            step_tokens = draft[: verdict.accepted].tolist() + [verdict.token]
-        finished = True
-    finally:
-        if finished:
-            session.finish()
+        verdict = pick(logits, draft_t, process_fn, **extra)
+        stats._record(d, verdict.accepted)
+        # Drop the rejected positions. crop(0) is not a no-op: sliding-window layers release the past they kept
+        # in case of a rollback.
+        cache.crop(verdict.accepted - d)
+        step_tokens = draft[: verdict.accepted].tolist() + [verdict.token]
+    session.finish()
     if streamer is not None:
         streamer.end()
     out = seq[:, :cur]
