@@ -218,3 +218,31 @@ def test_bad_arguments(tiny_model):
         lookupdec.generate(tiny_model, prompt, max_new_tokens=0)
     with pytest.raises(ValueError, match="input_ids"):
         lookupdec.generate(tiny_model, prompt[0], max_new_tokens=4)
+
+
+def test_one_drafter_serves_concurrent_requests(tiny_model):
+    # A server shares one drafter (and its rolling cache) between threads: outputs stay exact.
+    import threading
+
+    prompts = _prompts(tiny_model, count=4, seed=31)
+    refs = [_plain(tiny_model, p, max_new_tokens=30).tolist() for p in prompts]
+    drafter = LookupDrafter()
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(3):
+                out = lookupdec.generate(tiny_model, prompts[i], max_new_tokens=30, drafter=drafter)
+                results.setdefault(i, []).append(out.sequences.tolist())
+        except Exception as err:  # surfaced below: a thread's exception would otherwise vanish
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, ref in enumerate(refs):
+        assert results[i] == [ref] * 3
+    assert len(drafter.cache) > 0  # the finished requests fed the shared cache

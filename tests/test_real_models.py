@@ -1,6 +1,7 @@
 """Exactness on real models: the embedded SmolLM2 (llama architecture) on real edit prompts, and Gemma 3
 (sliding-window attention, a different cache layout) on copy-heavy text. fp32, greedy, both routes."""
 
+import copy
 import inspect
 import textwrap
 from pathlib import Path
@@ -69,3 +70,17 @@ def test_gemma3_matches_greedy(gemma3):
     via_hf = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=64,
                             assistant_model=LookupDrafter())
     assert via_hf.tolist() == ref.tolist()
+
+
+def test_stop_strings_end_generation_like_plain(smollm2):
+    model, tokenizer = smollm2
+    ids = _chat(tokenizer, _edit_prompts()["yaml"])
+    mask = torch.ones_like(ids)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=60, stop_strings=["port"],
+                         tokenizer=tokenizer)
+    config = copy.deepcopy(model.generation_config)
+    config.stop_strings = ["port"]
+    ours = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=60, generation_config=config,
+                              tokenizer=tokenizer)
+    assert ours.sequences.tolist() == ref.tolist()
+    assert tokenizer.decode(ours.sequences[0, ids.shape[1]:]).endswith("port")
