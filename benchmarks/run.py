@@ -196,6 +196,8 @@ def summarize(records, systems):
     suite_rows = []
     for suite, items in suites.items():
         agg = {"suite": suite, "prompts": len(items)}
+        runs = [r for rec in records if rec["suite"] == suite for r in rec["runs"] if r["system"] == "lookupdec"]
+        agg["accept_by_position"] = [_acceptance_at(runs, p - 1) for p in ACCEPT_POSITIONS]
         for key in items[0]:
             if key.startswith(("x_", "tpp_", "vs_", "of_", "draft_")) and items[0][key] is not None:
                 agg[key] = statistics.median(item[key] for item in items)
@@ -203,6 +205,15 @@ def summarize(records, systems):
                 agg[key] = all(item[key] for item in items)
         suite_rows.append(agg)
     return rows, suite_rows
+
+
+ACCEPT_POSITIONS = (1, 2, 4, 8, 16, 32)
+
+
+def _acceptance_at(runs, pos):
+    drafted = sum(r["drafted_per_position"][pos] for r in runs if len(r["drafted_per_position"]) > pos)
+    accepted = sum(r["accepted_per_position"][pos] for r in runs if len(r["accepted_per_position"]) > pos)
+    return accepted / drafted if drafted else None
 
 
 def markdown(rows, suite_rows, systems, meta):
@@ -225,6 +236,12 @@ def markdown(rows, suite_rows, systems, meta):
                      f" | {fmt(r.get('vs_pld'))} | {fmt(r.get('vs_pld_tuned'))} | {fmt(r.get('of_oracle'), True)}"
                      f" | {fmt(r.get('tpp_lookupdec'))} | {fmt(r.get('draft_share'), True)} | "
                      f"{'yes' if same else 'NO'} |")
+    lines += ["", "Acceptance of lookupdec's drafts by draft position (accepted / drafted, all prompts of the suite):", "",
+              "| suite | " + " | ".join(f"pos {p}" for p in ACCEPT_POSITIONS) + " |",
+              "|" + "---|" * (len(ACCEPT_POSITIONS) + 1)]
+    for r in suite_rows:
+        lines.append(f"| {r['suite']} | " + " | ".join(fmt(a, True) if a is not None else "-"
+                                                       for a in r.get("accept_by_position", [])) + " |")
     lines += ["", "Per prompt:", "", "| prompt | new | " + " | ".join(f"{s} x" for s in shown) +
               " | tok/pass | identical |", "|" + "---|" * (len(shown) + 4)]
     for r in rows:
@@ -256,7 +273,7 @@ def plots(rows, suite_rows, systems, out: Path):
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(suite_rows))], [r["suite"] for r in suite_rows])
     ax.set_ylabel("speedup over plain greedy (same run)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -281,10 +298,14 @@ def main(argv=None):
     ap.add_argument("--pld-tokens", type=int, default=20)
     ap.add_argument("--pld-ngram", type=int, default=3)
     ap.add_argument("--pld-sweep", action="store_true")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="re-render results.md and the plots from an existing results.json, without running")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's choice)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
+    if args.report:
+        return report(args.report)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -336,7 +357,6 @@ def main(argv=None):
         records.append({"suite": p.suite, "name": p.name, "prompt_tokens": ids.shape[1],
                         "runs": [asdict(r) for r in runs]})
     bar.close()
-    rows, suite_rows = summarize(records, systems)
     meta = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}", "model": args.model or "SmolLM2-135M-Instruct (embedded)",
@@ -344,13 +364,22 @@ def main(argv=None):
         "reps": args.reps, "pld_tuned": list(pld), "seconds": round(time.perf_counter() - started, 1),
         "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "records": records, "prompts": rows,
-                                                       "suites": suite_rows}, indent=1))
-    table = markdown(rows, suite_rows, systems, meta)
-    (args.out / "results.md").write_text(table)
-    plots(rows, suite_rows, systems, args.out)
-    print(table)
+    meta["systems"] = systems
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    report(args.out / "results.json")
     print(f"total {meta['seconds']}s; results in {args.out}", file=sys.stderr)
+
+
+def report(path: Path):
+    """Tables and plots from a results.json (written by a run, or kept from an earlier one)."""
+    data = json.loads(path.read_text())
+    meta, records = data["meta"], data["records"]
+    systems = meta.get("systems") or [s for s in SYSTEMS if any(r["system"] == s for r in records[0]["runs"])]
+    rows, suite_rows = summarize(records, systems)
+    table = markdown(rows, suite_rows, systems, meta)
+    (path.parent / "results.md").write_text(table)
+    plots(rows, suite_rows, systems, path.parent)
+    print(table)
 
 
 if __name__ == "__main__":
