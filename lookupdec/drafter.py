@@ -73,7 +73,8 @@ _PRIORS = {  # bucket -> (first, then)
 }
 _PRIOR_WEIGHT = 6.0  # pseudo-observations behind each prior
 _FORGET = 0.97  # per update: recent behaviour counts more (a request moves between copying and writing)
-_RECOVER = 0.85  # per skipped draft: a silent bucket drifts back to its prior, which is how copying is re-probed
+_RECOVER = 0.85
+_CALIBRATION_KEEP = 0.9  # the shared calibration follows the last ~10 drafts  # per skipped draft: a silent bucket drifts back to its prior, which is how copying is re-probed
 
 
 def _bucket(kind: str, shared: int) -> tuple:
@@ -92,24 +93,38 @@ class _Acceptance:
     the ones before it were. A draft that got ``j >= 1`` tokens accepted adds ``j - 1`` continuations, plus a stop
     if it was cut short; ``then = continuations / (continuations + stops)`` is the maximum-likelihood estimate of a
     geometric run with censoring.
+
+    Buckets that have seen few drafts lean on their priors, which suit copy-heavy text. A calibration shared by all
+    buckets, (first tokens accepted + 2) / (first tokens predicted + 2) over recent drafts, scales ``first`` so
+    that text where copies keep failing (open-ended writing) stops drafting after a few misses, whichever bucket
+    the next match falls in.
     """
 
     def __init__(self):
         self._counts = {}  # bucket -> [first tries, first accepted, continuations, stops], excluding the prior
+        self._calibration = [0.0, 0.0]  # first tokens accepted, first tokens predicted (both forgotten)
         self._lock = threading.Lock()
 
-    def estimate(self, bucket) -> tuple:
-        """``(first, then)`` for drafts from ``bucket``."""
+    def _raw(self, bucket) -> tuple:
         prior_first, prior_then = _PRIORS[bucket]
         tries, firsts, cont, stops = self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0))
         first = (firsts + prior_first * _PRIOR_WEIGHT) / (tries + _PRIOR_WEIGHT)
         then = (cont + prior_then * _PRIOR_WEIGHT) / (cont + stops + _PRIOR_WEIGHT)
         return first, then
 
+    def estimate(self, bucket) -> tuple:
+        """``(first, then)`` for drafts from ``bucket``."""
+        first, then = self._raw(bucket)
+        seen, predicted = self._calibration
+        return min(first * (seen + 2.0) / (predicted + 2.0), 0.999), then
+
     def update(self, bucket, accepted: int, drafted: int) -> None:
         if drafted == 0:
             return
         with self._lock:
+            seen, predicted = self._calibration
+            self._calibration = [seen * _CALIBRATION_KEEP + bool(accepted),
+                                 predicted * _CALIBRATION_KEEP + self._raw(bucket)[0]]
             tries, firsts, cont, stops = (c * _FORGET for c in self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0)))
             if accepted:
                 firsts += 1.0
