@@ -96,43 +96,38 @@ def _a_local_name(source: str):
     return names[0] if names else None
 
 
-def _pld_rows(file: str):
+def _pld_suite(file: str, suite: str, tag: str, to_user) -> list:
+    """Prompts of the prompt-lookup study's data file, their Mistral [INST] wrapper stripped and rewritten by
+    ``to_user(body)``; empty when ../shared/data is absent."""
     path = SHARED_DATA / file
     if not path.exists():
-        return None
-    return json.loads(path.read_text())
-
-
-def _strip_inst(prompt: str) -> str:
-    return prompt.replace("[INST]", "").replace("[/INST]", "").strip()
-
-
-def summary_suite(limit: int = 100, max_chars: int = 2500) -> list:
-    rows = _pld_rows("pld_cnn_dm.json")
-    if rows is None:
         return []
-    out = []
-    for i, row in enumerate(rows[:limit]):
-        body = _strip_inst(row["prompt"])
-        article = body.split("Article:", 1)[-1].rsplit("Summary:", 1)[0].strip()[:max_chars]
-        user = f"Article: {article}\n\nSummarize the article above in a few sentences, reusing its wording."
-        out.append(Prompt("summary", f"cnn_dm#{i}", user))
-    return out
+    rows = json.loads(path.read_text())
+    bodies = (row["prompt"].replace("[INST]", "").replace("[/INST]", "").strip() for row in rows)
+    return [Prompt(suite, f"{tag}#{i}", to_user(body)) for i, body in enumerate(bodies)]
 
 
-def qa_suite(limit: int = 100, max_chars: int = 2500) -> list:
-    rows = _pld_rows("pld_hagrid.json")
-    if rows is None:
-        return []
-    out = []
-    for i, row in enumerate(rows[:limit]):
-        body = _strip_inst(row["prompt"])
-        context, _, rest = body.partition("Question:")
-        question = rest.split("Answer:", 1)[0].strip()
-        context = context.replace("Context:", "", 1).strip()[:max_chars]
-        user = f"Context: {context}\n\nQuestion: {question}\nAnswer from the context, quoting it where you can."
-        out.append(Prompt("qa", f"hagrid#{i}", user))
-    return out
+MAX_CHARS = 2500  # the embedded model copies short texts far better than long ones
+
+
+def _summary_user(body: str) -> str:
+    article = body.split("Article:", 1)[-1].rsplit("Summary:", 1)[0].strip()[:MAX_CHARS]
+    return f"Article: {article}\n\nSummarize the article above in a few sentences, reusing its wording."
+
+
+def _qa_user(body: str) -> str:
+    context, _, rest = body.partition("Question:")
+    question = rest.split("Answer:", 1)[0].strip()
+    context = context.replace("Context:", "", 1).strip()[:MAX_CHARS]
+    return f"Context: {context}\n\nQuestion: {question}\nAnswer from the context, quoting it where you can."
+
+
+def summary_suite() -> list:
+    return _pld_suite("pld_cnn_dm.json", "summary", "cnn_dm", _summary_user)
+
+
+def qa_suite() -> list:
+    return _pld_suite("pld_hagrid.json", "qa", "hagrid", _qa_user)
 
 
 OPEN_PROMPTS = [
