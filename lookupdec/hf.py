@@ -75,7 +75,8 @@ def resolve_generation(
     config.max_length = prompt_len + max_new_tokens
     if config.min_new_tokens is not None:
         config.min_length = prompt_len + config.min_new_tokens
-    model._prepare_special_tokens(config, kwargs_has_attention_mask=False, device=input_ids.device)
+    # True: the loop strips left padding itself, so transformers need not warn about guessing a mask.
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=input_ids.device)
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_len,

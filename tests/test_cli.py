@@ -1,0 +1,789 @@
+"""`lookupdec reformat`, driven as a user runs it (click's CliRunner on the real command, and one subprocess for a
+real Ctrl-C), asserting exit codes, messages and file contents.
+
+Three kinds of test:
+
+- **Embedded model** (`real` fixture, marked slow): where what the model does matters. Reformatting the real
+  configs in examples/configs (dependabot, codecov, readthedocs, the README's service.yaml and a CI workflow that
+  needs nested sections), the README's instruction edit, -o / --in-place, --to json with an edit, --no-lookup,
+  --compare. Greedy decoding is deterministic, so each file's outcome is asserted exactly.
+- **Stub engine** (`stub` fixture): only where the test is about file handling or error paths (bad input,
+  rejected output, sections and budgets, atomic writes, Ctrl-C). The stub answers by echoing the section (or
+  by a function the test gives), so these tests pin the command's behaviour without depending on the model.
+- **Pure helpers**: splitting, prompts, fenced-block extraction, validation messages.
+
+Every test runs in its own temporary folder with relative file names, so messages can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from lookupdec import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "examples" / "configs"
+SUMMARY = re.compile(r"^reformat: (\d+) new tokens, (\d+) target passes, (\d+\.\d\d) tokens/pass, (\d+\.\d) s "
+                     r"\((\d+) sections?, (\d+) kept unchanged\)$", re.M)
+
+SERVICE = (CONFIGS / "service.yaml").read_text()
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """A fresh working folder holding a copy of service.yaml."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "service.yaml").write_text(SERVICE)
+    return tmp_path
+
+
+def run(*args):
+    return CliRunner().invoke(cli.main, [str(a) for a in args], catch_exceptions=False)
+
+
+def leftovers(folder: Path) -> list:
+    """Temporary files write_atomic might have left behind."""
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The stub engine
+
+
+class _Tokens:
+    """What a streamer's put() receives, as far as TokenProgress looks at it."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def numel(self):
+        return self.n
+
+
+class StubEngine:
+    """Stands in for ModelEngine in file-handling tests: it never loads a model. By default it answers with the
+    section it was given (a perfect copy); `answer(section, prompt)` can return other text or raise. Tokens are
+    words, and every answer counts as one target pass per line, so the summary line is predictable."""
+
+    def __init__(self, answer=None, context=2048):
+        self.answer = answer or (lambda section, prompt: section)
+        self.context = context
+        self.close_fence = True  # False: answers run out of budget before closing their fenced block
+        self.sections = []  # the sections asked for, in order
+
+    def count_tokens(self, text):
+        return len(text.split())
+
+    def complete(self, prompt, max_new_tokens, method="lookup", streamer=None, drafter=None):
+        user = prompt.messages[-1]["content"]
+        section = user[len("```yaml\n"): user.index("\n```\n\n")] + "\n"
+        self.sections.append(section)
+        body = self.answer(section, prompt)
+        answer = f"```yaml\n{body}" + ("```" if self.close_fence else "")
+        if streamer is not None:
+            streamer.start_request()
+            streamer.put(_Tokens(10))  # the prompt, skipped
+            for line in body.splitlines():
+                streamer.put(_Tokens(len(line.split()) or 1))
+        return cli.Completion(answer, tuple(range(len(body.split()))), len(body.splitlines()), 0.0)
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    """Install a StubEngine (returned) as the command's model; `stub.answer = ...` changes its answers."""
+    engine = StubEngine()
+    monkeypatch.setattr(cli, "_open_engine", lambda name, progress: engine)
+    return engine
+
+
+def summary(stderr: str) -> tuple:
+    match = SUMMARY.search(stderr)
+    assert match, stderr
+    tokens, passes, per_pass, _, sections, kept = match.groups()
+    return int(tokens), int(passes), float(per_pass), int(sections), int(kept)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Help, version, usage
+
+
+def test_help_documents_exit_codes():
+    result = run("reformat", "--help")
+    assert result.exit_code == 0
+    for line in ["0    success", "1    the model's output was rejected", "2    usage or input error",
+                 "130  interrupted (Ctrl-C); nothing was written"]:
+        assert line in result.stdout
+    assert "Exit codes:" in run("--help").stdout
+
+
+def test_version():
+    result = run("--version")
+    assert (result.exit_code, result.stdout) == (0, "lookupdec, version 0.1.0\n")
+
+
+def test_help_does_not_import_torch():
+    # `lookupdec --help` must stay instant: the model stack is imported inside the command only.
+    code = "import sys, lookupdec.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "False False\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "out.yaml", "--in-place"], "use either -o/--output or --in-place, not both"),
+    (["--compare", "--no-lookup"], "--compare times lookup decoding against the others; drop --no-lookup"),
+    (["--instruction", "  "], "--instruction is empty"),
+    (["--to", "toml"], "'toml' is not one of 'yaml', 'json'"),
+    (["--max-new-tokens", "0"], "0 is not in the range x>=1"),
+])
+def test_usage_errors_exit_2(here, stub, args, message):
+    result = run("reformat", "service.yaml", *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert stub.sections == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bad input -> one line, exit 2, file untouched, model never asked (stub)
+
+
+def test_missing_file(here, stub):
+    result = run("reformat", "nope.yaml")
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", "error: nope.yaml: no such file\n")
+
+
+def test_directory(here, stub):
+    (here / "conf").mkdir()
+    result = run("reformat", "conf")
+    assert (result.exit_code, result.stderr) == (2, "error: conf: is a directory, not a file\n")
+
+
+def test_unreadable_file(here, stub, monkeypatch):
+    (here / "service.yaml").chmod(0)
+    if os.geteuid() == 0:  # root reads files whatever their mode; make the read fail as it would for a user
+        def read_bytes(path):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    result = run("reformat", "service.yaml")
+    assert (result.exit_code, result.stderr) == (2, "error: service.yaml: cannot read it (permission denied)\n")
+
+
+def test_binary_file(here, stub):
+    (here / "blob.yaml").write_bytes(b"key: \x00\x01\x02")
+    result = run("reformat", "blob.yaml")
+    assert (result.exit_code, result.stderr) == (
+        2, "error: blob.yaml: looks like a binary file (it contains NUL bytes), not YAML\n")
+
+
+def test_non_utf8_file(here, stub):
+    (here / "latin1.yaml").write_bytes("name: demo\ncity: Zürich\n".encode("latin-1"))
+    result = run("reformat", "latin1.yaml")
+    assert (result.exit_code, result.stderr) == (2, "error: latin1.yaml: not UTF-8 text (byte 0xfc at line 2)\n")
+
+
+def test_invalid_yaml_reports_line_and_column(here, stub):
+    (here / "bad.yaml").write_text("server:\n  port: 8080\n  host: [a, b\nlogging: x\n")
+    result = run("reformat", "bad.yaml", "--in-place")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: bad.yaml: invalid YAML at line 4, column 8: ")
+    assert result.stderr.count("\n") == 1
+    assert (here / "bad.yaml").read_text() == "server:\n  port: 8080\n  host: [a, b\nlogging: x\n"
+    assert sorted(p.name for p in here.iterdir()) == ["bad.yaml", "service.yaml"]
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_file(here, stub, content):
+    (here / "empty.yaml").write_text(content)
+    result = run("reformat", "empty.yaml")
+    assert (result.exit_code, result.stderr) == (2, "error: empty.yaml: the file is empty\n")
+
+
+def test_comments_only(here, stub):
+    (here / "notes.yaml").write_text("# nothing here yet\n\n# still nothing\n")
+    result = run("reformat", "notes.yaml")
+    assert (result.exit_code, result.stderr) == (
+        2, "error: notes.yaml: nothing to edit (only comments and blank lines)\n")
+
+
+def test_file_over_the_byte_limit(here, stub):
+    (here / "huge.yaml").write_text("k: v\n" * (cli.MAX_FILE_BYTES // 5 + 1))
+    size = (here / "huge.yaml").stat().st_size
+    result = run("reformat", "huge.yaml")
+    assert (result.exit_code, result.stderr) == (
+        2, f"error: huge.yaml: file too large ({size:,} bytes; the limit is "
+           f"{cli.MAX_FILE_BYTES:,})\n")
+    assert stub.sections == []
+
+
+def test_block_too_large_even_for_sections(here, stub):
+    # A block scalar cannot be cut; with a 400-token context a section may hold (400 - 160 - 32) / 2.5 = 83 tokens.
+    stub.context = 400
+    words = " ".join(f"w{i}" for i in range(120))
+    (here / "long.yaml").write_text(f"a: 1\ntext: |\n  {words}\nb: 2\n")
+    result = run("reformat", "long.yaml", "--in-place")
+    assert (result.exit_code, result.stderr) == (
+        2, "error: long.yaml: too large even for sections: lines 2-3 hold 122 tokens and cannot be split further; "
+           "a section may hold 83 (the model's context is 400 tokens)\n")
+    assert stub.sections == []
+    assert sorted(p.name for p in here.iterdir()) == ["long.yaml", "service.yaml"]
+
+
+def test_budget_too_small_for_any_section(here, stub):
+    result = run("reformat", "service.yaml", "--max-new-tokens", "10")
+    assert (result.exit_code, result.stderr) == (
+        2, "error: --max-new-tokens 10 is too small for any section (it needs at least 17)\n")
+
+
+def test_too_large_for_the_user_budget(here, stub):
+    # --max-new-tokens 20 leaves 4 tokens (words, for the stub) per section: `server:` is cut into its children,
+    # but the line under it cannot be cut.
+    (here / "wordy.yaml").write_text("name: demo\nserver:\n  motto: one two three four five six\n  port: 1\n")
+    result = run("reformat", "wordy.yaml", "-i", "change the port", "--max-new-tokens", "20")
+    assert (result.exit_code, result.stderr) == (
+        2, "error: wordy.yaml: too large even for sections: line 3 holds 7 tokens and cannot be split "
+           "further; a section may hold 4 (--max-new-tokens 20)\n")
+    assert stub.sections == []
+
+
+def test_model_that_cannot_be_loaded(here):
+    result = run("reformat", "service.yaml", "--model", "./missing/model.gguf")
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == "error: cannot load model './missing/model.gguf': no such file\n"
+
+
+@pytest.mark.parametrize("flags, progress", [([], True), (["--quiet"], False)])
+def test_model_loading_shows_progress_unless_quiet(here, monkeypatch, flags, progress):
+    from lookupdec import models
+
+    calls = []
+
+    def load_model(name=None, **kwargs):
+        calls.append((name, kwargs))
+        raise models.ModelLoadError("cannot load model 'org/none': not in the local cache")
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    result = run("reformat", "service.yaml", "--model", "org/none", *flags)
+    assert calls == [("org/none", {"progress": progress})]
+    assert (result.exit_code, result.stderr) == (2, "error: cannot load model 'org/none': not in the local cache\n")
+
+
+@pytest.mark.parametrize("out, message", [
+    ("nowhere/out.yaml", "error: nowhere/out.yaml: folder nowhere does not exist\n"),
+    (".", "error: .: is a directory; -o needs a file name\n"),
+])
+def test_bad_output_path_fails_before_the_model(here, stub, out, message):
+    result = run("reformat", "service.yaml", "-o", out)
+    assert (result.exit_code, result.stderr) == (2, message)
+    assert stub.sections == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rejected model output -> exit 1, nothing written (stub)
+
+
+def _garble_port(section, prompt):
+    return section.replace("port: 8080", "port 8080: [")
+
+
+def test_rejected_instruction_output_shows_parser_error_and_first_differing_line(here, stub):
+    stub.answer = _garble_port
+    result = run("reformat", "service.yaml", "-i", "change the port", "--in-place")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "error: service.yaml: lines 1-17: the model's output is not valid YAML (line 6, column 18: expected ',' "
+        "or ']', but got ':')\n"
+        "  first differing line: line 4: '  port: 8080' became '  port 8080: ['\n"
+        "  nothing was written (--keep-going keeps such a section as it was)\n")
+    assert (here / "service.yaml").read_text() == SERVICE
+    assert sorted(p.name for p in here.iterdir()) == ["service.yaml"]  # no .bak, no temp file
+
+
+def test_reformat_keeps_rejected_section_unchanged(here, stub):
+    # The server block comes back with a changed value: it is kept as it was, the others are taken.
+    stub.answer = lambda section, prompt: section.replace("workers: 4", "workers: 5").replace("  ", "    ")
+    result = run("reformat", "service.yaml")
+    assert result.exit_code == 0
+    lines = result.stderr.splitlines()
+    assert lines[:2] == ["service.yaml: lines 1-6: kept unchanged: the model's output changes the data",
+                         "  first change: server.workers: 4 -> 5"]
+    assert summary(result.stderr)[3:] == (4, 1)
+    assert result.stdout.startswith(SERVICE[: SERVICE.index("database:")])  # server block as it was
+    assert "database:\n    url: postgres://app@localhost:5432/app\n" in result.stdout  # re-indented by the model
+    assert yaml.safe_load(result.stdout) == yaml.safe_load(SERVICE)
+
+
+def test_reformat_retries_a_rejected_section_in_smaller_parts(here, stub):
+    # The "model" garbles the features block as a whole but copies its items one by one.
+    stub.answer = lambda section, prompt: "features: [\n" if section.startswith("features:") else section
+    result = run("reformat", "service.yaml")
+    assert (result.exit_code, result.stdout) == (0, SERVICE)
+    assert stub.sections[-4:] == ["features:\n  - search\n  - export\n  - audit-log\n",
+                                  "- search\n", "- export\n", "- audit-log\n"]
+    assert summary(result.stderr)[3:] == (6, 0)  # server, database, logging, and three items
+    assert "kept unchanged:" not in result.stderr
+
+
+def test_reformat_with_every_section_rejected_exits_1(here, stub):
+    stub.answer = lambda section, prompt: "oops: [\n"
+    result = run("reformat", "service.yaml", "-o", "out.yaml")
+    assert result.exit_code == 1
+    assert result.stderr.endswith(
+        "error: service.yaml: the model's output was rejected for every section; nothing was written\n")
+    # features: is cut into its three items and tried again; nothing else can be cut.
+    assert result.stderr.count("kept unchanged: the model's output is not valid YAML") == 6
+    assert result.stderr.startswith(
+        "service.yaml: lines 1-6: kept unchanged: the model's output is not valid YAML (line 2, column 1: "
+        "expected the node content, but found '<stream end>')\n"
+        "  first differing line: line 1: '# Example service configuration edited in the README.' became "
+        "'oops: ['\n")
+    assert not (here / "out.yaml").exists()
+
+
+def test_cut_off_output_is_rejected(here, stub):
+    # An answer whose fence never closes was cut off by the token budget; even if it parses, it may be missing
+    # lines, so it is rejected rather than written.
+    stub.close_fence = False
+    result = run("reformat", "service.yaml", "-i", "change the port")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: service.yaml: lines 1-17: the model's output did not close its fenced "
+                                    "block within 36 new tokens\n")
+
+
+def test_keep_going_keeps_failed_instruction_sections(here, stub):
+    # A budget of 40 tokens (24 per section) makes two sections; the one with the server block fails to parse.
+    stub.answer = _garble_port
+    result = run("reformat", "service.yaml", "-i", "change the port", "--max-new-tokens", "40", "--keep-going")
+    assert result.exit_code == 0
+    assert result.stdout == SERVICE
+    assert "service.yaml: lines 1-10: kept unchanged: the model's output is not valid YAML" in result.stderr
+    assert "note: the data is unchanged (right for an edit of formatting or comments" in result.stderr
+    assert summary(result.stderr)[3:] == (2, 1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sections (stub)
+
+
+def test_instruction_sees_the_whole_file_when_it_fits(here, stub):
+    result = run("reformat", "service.yaml", "-i", "change the port")
+    assert result.exit_code == 0
+    assert stub.sections == [SERVICE]
+
+
+def test_reformat_works_on_top_level_blocks(here, stub):
+    result = run("reformat", "service.yaml")
+    assert result.exit_code == 0
+    assert result.stdout == SERVICE
+    assert [s.split("\n")[0] for s in stub.sections] == [
+        "# Example service configuration edited in the README.", "database:", "logging:", "features:"]
+    assert summary(result.stderr)[3:] == (4, 0)
+
+
+def test_budget_splits_an_instruction_into_sections(here, stub):
+    # --max-new-tokens 40: a section holds at most 24 words; blocks are joined up to that.
+    result = run("reformat", "service.yaml", "-i", "change the port", "--max-new-tokens", "40")
+    assert result.exit_code == 0
+    assert [s.split("\n")[0] for s in stub.sections] == [
+        "# Example service configuration edited in the README.", "logging:"]
+    assert result.stdout == SERVICE
+
+
+def test_context_splits_documents_and_nested_blocks(here, stub):
+    stub.context = 300  # a section may hold (300 - 192) / 2.5 = 43 words
+    items = "".join(f"  - name: job{i}\n    run: make target{i} --verbose --jobs 4\n" for i in range(6))
+    text = f"# first document\nversion: 2\njobs:\n{items}---\nsecond: document\n"
+    (here / "multi.yaml").write_text(text)
+    result = run("reformat", "multi.yaml", "-i", "rename the jobs")
+    assert result.exit_code == 0
+    assert result.stdout == text
+    # jobs: is too big, so its list items go to the model one group at a time, dedented to column 0.
+    assert stub.sections[0] == "# first document\nversion: 2\n"
+    assert all(s.startswith("- name: job") for s in stub.sections[1:-1])
+    assert stub.sections[-1] == "second: document\n"
+
+
+def test_reformat_result_is_indented_back_into_place(here, stub):
+    stub.context = 300
+    items = "".join(f"  - name: job{i}\n    run: make target{i} --verbose --jobs 4\n" for i in range(6))
+    (here / "jobs.yaml").write_text(f"jobs:\n{items}")
+    # The "model" re-indents each item (edited at column 0); it comes back under `jobs:` at the old indent.
+    stub.answer = lambda section, prompt: section.replace("- ", "-   ").replace("\n  ", "\n    ")
+    result = run("reformat", "jobs.yaml")
+    assert result.exit_code == 0
+    assert result.stdout.startswith("jobs:\n  -   name: job0\n      run: make target0 --verbose --jobs 4\n")
+    assert yaml.safe_load(result.stdout) == yaml.safe_load((here / "jobs.yaml").read_text())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing (stub)
+
+
+def test_output_file(here, stub):
+    result = run("reformat", "service.yaml", "-o", "out.yaml")
+    assert (result.exit_code, result.stdout) == (0, "")
+    assert (here / "out.yaml").read_text() == SERVICE
+    assert result.stderr.endswith("wrote out.yaml\n")
+    assert leftovers(here) == []
+
+
+def test_in_place_keeps_a_backup(here, stub):
+    stub.answer = lambda section, prompt: section.replace("8080", "9090")
+    (here / "service.yaml").chmod(0o640)
+    result = run("reformat", "service.yaml", "-i", "change the port", "--in-place")
+    assert (result.exit_code, result.stdout) == (0, "")
+    assert (here / "service.yaml").read_text() == SERVICE.replace("8080", "9090")
+    assert (here / "service.yaml.bak").read_text() == SERVICE
+    assert (here / "service.yaml").stat().st_mode & 0o777 == 0o640
+    assert result.stderr.splitlines()[1:] == [
+        "the data changed in 1 place:",
+        "  server.port: 8080 -> 9090",
+        "replaced service.yaml; the original is in service.yaml.bak"]
+    assert leftovers(here) == []
+
+
+def test_in_place_through_a_symlink_replaces_the_target(here, stub):
+    (here / "real").mkdir()
+    shutil.move(here / "service.yaml", here / "real" / "service.yaml")
+    (here / "link.yaml").symlink_to(here / "real" / "service.yaml")
+    stub.answer = lambda section, prompt: section.replace("8080", "9090")
+    assert run("reformat", "link.yaml", "-i", "change the port", "--in-place").exit_code == 0
+    assert (here / "link.yaml").is_symlink()
+    assert "port: 9090" in (here / "real" / "service.yaml").read_text()
+    assert (here / "real" / "service.yaml.bak").read_text() == SERVICE
+
+
+def test_interrupted_write_leaves_file_and_no_temp(here, stub, monkeypatch):
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == "service.yaml":
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(cli.os, "replace", replace)
+    stub.answer = lambda section, prompt: section.replace("8080", "9090")
+    result = run("reformat", "service.yaml", "-i", "change the port", "--in-place")
+    assert (result.exit_code, result.stderr.splitlines()[-1]) == (130, "interrupted; nothing was written")
+    assert (here / "service.yaml").read_text() == SERVICE
+    assert leftovers(here) == []
+
+
+def test_ctrl_c_during_generation(here, stub):
+    calls = []
+
+    def answer(section, prompt):
+        calls.append(section)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return section
+
+    stub.answer = answer
+    result = run("reformat", "service.yaml", "--in-place")
+    assert (result.exit_code, result.stdout) == (130, "")
+    assert result.stderr == "\ninterrupted; nothing was written\n"
+    assert (here / "service.yaml").read_text() == SERVICE
+    assert sorted(p.name for p in here.iterdir()) == ["service.yaml"]
+
+
+def test_real_sigint_during_generation(here):
+    # A real Ctrl-C (SIGINT) in a separate process, with a stub engine that blocks in generation.
+    driver = textwrap.dedent("""
+        import sys, time
+        from lookupdec import cli
+
+        class Slow:
+            context = 2048
+            def count_tokens(self, text):
+                return len(text.split())
+            def complete(self, prompt, max_new_tokens, method="lookup", streamer=None, drafter=None):
+                print("generating", file=sys.stderr, flush=True)
+                time.sleep(60)
+
+        cli._open_engine = lambda name, progress: Slow()
+        cli.main(["reformat", "service.yaml", "--in-place"])
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=here, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline() == "generating\n"
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert (proc.returncode, stdout, stderr) == (130, "", "\ninterrupted; nothing was written\n")
+    assert sorted(p.name for p in here.iterdir()) == ["service.yaml"]
+    assert (here / "service.yaml").read_text() == SERVICE
+
+
+def test_to_json_without_instruction_needs_no_model(here, monkeypatch):
+    def no_model(name, progress):
+        raise AssertionError("a plain conversion must not load the model")
+
+    monkeypatch.setattr(cli, "_open_engine", no_model)
+    result = run("reformat", "service.yaml", "--to", "json")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout) == yaml.safe_load(SERVICE)
+    assert result.stderr == ("reformat: converted to JSON without the model (nothing for it to do: the data "
+                             "stays as it is)\n")
+
+
+def test_to_json_refuses_several_documents_and_dates(here, stub):
+    (here / "two.yaml").write_text("a: 1\n---\nb: 2\n")
+    (here / "dated.yaml").write_text("released: 2024-05-01\n")
+    assert run("reformat", "two.yaml", "--to", "json").stderr == (
+        "error: two.yaml: holds 2 YAML documents; JSON output needs exactly one\n")
+    result = run("reformat", "dated.yaml", "--to", "json")
+    assert (result.exit_code, result.stderr) == (
+        2, "error: dated.yaml: JSON cannot hold every value (first: released: datetime.date(2024, 5, 1) -> "
+           "\"2024-05-01\"); quote such values in the YAML to keep them as text\n")
+
+
+def test_quiet_prints_only_the_result(here, stub):
+    stub.answer = lambda section, prompt: section.replace("8080", "9090")
+    result = run("reformat", "service.yaml", "-i", "change the port", "--quiet")
+    assert (result.exit_code, result.stdout, result.stderr) == (0, SERVICE.replace("8080", "9090"), "")
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    # On a terminal the bar shows tokens, tokens per pass and tokens/s; elsewhere (pipes, CI logs) it stays off.
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    progress = cli.TokenProgress(total=40, enabled=True)
+    for n in (10, 3, 7, 5):  # the prompt (skipped), then three passes
+        progress.put(_Tokens(n))
+    progress._bar.refresh()  # tqdm redraws at most every 0.1 s on its own
+    progress.close()
+    assert (progress.tokens, progress.passes) == (15, 3)
+    assert "15/40" in screen.getvalue() and "5.00 tok/pass" in screen.getvalue() and "tok/s" in screen.getvalue()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert cli.TokenProgress(total=40, enabled=True)._bar.disable
+
+
+def test_summary_counts_tokens_and_passes(here, stub):
+    result = run("reformat", "service.yaml", "-i", "change the port")
+    # The stub's answer for the whole file: 36 words on 17 lines, one pass per line.
+    assert summary(result.stderr)[:3] == (36, 17, 2.12)
+    assert result.stderr.endswith("note: the data is unchanged (right for an edit of formatting or comments; "
+                                  "otherwise the model did not apply the instruction)\n")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_split_sections_join_back_exactly():
+    text = ("# head\n\nversion: 2\n\n# about a\na:\n  b: 1\n\n  c:\n    - x\n    - y\n# tail\n---\nz: [1,\n  2]\n"
+            "...\n")
+    for limit in (1, 3, 1000):
+        sections = cli.split_sections(text, lambda t, limit=limit: len(t.split()) > limit)
+        assert cli.join_sections(sections, [None] * len(sections)) == text
+
+
+def test_split_sections_attach_comments_to_the_next_block():
+    text = "# top\na: 1\n\n# about b\nb:\n  c: 2\n# trailing\n"
+    sections = cli.split_sections(text, lambda t: True)
+    assert [(s.text, s.edit) for s in sections] == [
+        ("# top\na: 1\n", True), ("\n", False), ("# about b\nb:\n", False), ("c: 2\n", True),
+        ("# trailing\n", False)]
+
+
+def test_split_sections_keep_a_compact_list_with_its_key():
+    # `- x` at column 0 belongs to `items:`, not to a new block.
+    text = "items:\n- x\n- y\nother: 1\n"
+    sections = cli.split_sections(text, lambda t: len(t.split()) > 5, joinable=lambda t: False)
+    assert [s.text for s in sections if s.edit] == ["items:\n- x\n- y\n", "other: 1\n"]
+    # ... and when the block is too big, its items are cut at column 0 with no indent to put back.
+    sections = cli.split_sections(text, lambda t: len(t.split()) > 3, joinable=lambda t: False)
+    assert [(s.text, s.indent, s.edit) for s in sections] == [
+        ("items:\n", "", False), ("- x\n", "", True), ("- y\n", "", True), ("other: 1\n", "", True)]
+
+
+def test_split_sections_leave_unsafe_cuts_alone():
+    # A flow collection over several lines at column 0 cannot be cut into blocks: the document stays whole.
+    text = "a: [1,\n2]\nb: 3\n"
+    assert [s.text for s in cli.split_sections(text, lambda t: True)] == [text]
+    # An alias needs its anchor in the same section.
+    text = "base: &b\n  x: 1\nuse: *b\n"
+    assert [s.text for s in cli.split_sections(text, lambda t: True)] == [text]
+
+
+def test_build_prompt_reformat_prefills_the_first_line():
+    prompt = cli.build_prompt("server:\n  port: 8080\n", None)
+    assert prompt.prefill == "```yaml\nserver:"  # no newline: the tokenizer joins it with the next indent
+    assert prompt.messages[0] == {"role": "system", "content": cli.SYSTEM_EDITOR}
+    assert prompt.messages[1]["content"].startswith("```yaml\nserver:\n  port: 8080\n```\n\nRewrite this YAML")
+
+
+def test_build_prompt_instruction_puts_text_first_and_keeps_default_system_prompt():
+    prompt = cli.build_prompt("a: 1\n", "set a to 2")
+    assert prompt.messages == ({"role": "user", "content": "```yaml\na: 1\n```\n\nset a to 2. Keep everything "
+                                "else, including comments, exactly as it is. Reply with the complete updated file "
+                                "in one ```yaml block and nothing else."},)
+    assert prompt.prefill == "```yaml\n"
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ("```yaml\na: 1\n```\nmore text", ("a: 1\n", True)),
+    ("Sure!\n```\na: 1\n  ```\n```yaml\nb: 2\n```", ("a: 1\n", True)),  # the first block wins
+    ("```yaml\na: 1\nb: 2", ("a: 1\nb: 2", False)),  # never closed: cut off
+    ("a: 1\n", ("a: 1\n", True)),  # no fence at all: the whole answer
+])
+def test_extract_block(answer, expected):
+    assert cli.extract_block(answer) == expected
+
+
+def test_check_section_messages():
+    assert cli.check_section("a: 1\n", "a:   1\n", None) is None
+    assert cli.check_section("a: 1\n", "a: 2\n", None) == (
+        "the model's output changes the data\n  first change: a: 1 -> 2")
+    assert cli.check_section("a: 1\n", "a: 2\n", "set a to 2") is None
+    assert cli.check_section("a: 1\nb: 2\n", "a: 1\nb: [\n", "x") == (
+        "the model's output is not valid YAML (line 3, column 1: expected the node content, but found "
+        "'<stream end>')\n  first differing line: line 2: 'b: 2' became 'b: ['")
+
+
+def test_check_section_rejects_dropped_and_invented_comments():
+    # Comments are not data, so a reformat checks them apart: every one kept, none made up.
+    assert cli.check_section("# keep\na: 1  # why\n", "# keep\na: 1 # why\n", None) is None
+    assert cli.check_section("# keep\na: 1\n", "a: 1\n", None) == "the model's output drops a comment: '# keep'"
+    assert cli.check_section("a: 1\n", "# A nested YAML file.\na: 1\n", None) == (
+        "the model's output adds a comment: '# A nested YAML file.'")
+
+
+def test_comments_ignore_hashes_in_values():
+    text = "# top\nurl: http://x/#frag\nmsg: \"a # b\"  # real\nq: it's # d\n"
+    assert cli.comments(text) == ["top", "real", "d"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("apiVersion: v1\nkind: Service\n", True),
+    ("# about\nversion: 2\n", True),
+    ("metadata:\n  name: web\n", False),
+    ("- a\n", False),
+])
+def test_flat(text, expected):
+    assert cli.flat(text) is expected
+
+
+def test_data_changes():
+    before = {"server": {"port": 8080, "tags": ["a", "b"]}, "gone": 1}
+    after = {"server": {"port": 9090, "tags": ["a"]}, "new": {"x": 1}}
+    assert cli.data_changes(before, after) == [
+        "server.port: 8080 -> 9090", "removed server.tags[1]", "removed gone", 'added new: {"x": 1}']
+
+
+def test_write_atomic_failure_leaves_no_temp(tmp_path, monkeypatch):
+    target = tmp_path / "f.yaml"
+    target.write_text("old\n")
+    monkeypatch.setattr(cli.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError):
+        cli.write_atomic(target, "new\n", backup=True)
+    assert target.read_text() == "old\n"
+    assert leftovers(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# With the embedded model
+
+
+@pytest.fixture
+def real(smollm2, monkeypatch):
+    """The command with the embedded SmolLM2, loaded once per session (conftest's `smollm2`)."""
+    from lookupdec import models
+
+    monkeypatch.setattr(models, "load_model", lambda name=None, **kwargs: smollm2)
+    return smollm2
+
+
+# Measured outcome per file (greedy, so deterministic): sections and how many the model's output failed for.
+# service.yaml is the README's first command; ci-workflow.yml needs sections cut inside `jobs:` and retried.
+REAL_CONFIGS = {"dependabot.yml": (3, 0), "codecov.yml": (3, 0), "readthedocs.yaml": (5, 0), "service.yaml": (4, 0),
+                "ci-workflow.yml": (14, 0)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
+def test_model_reformats_real_configs(here, real, name):
+    shutil.copy(CONFIGS / name, here / name)
+    result = run("reformat", name, "--in-place")
+    assert (result.exit_code, result.stdout) == (0, ""), result.stderr
+    assert (here / f"{name}.bak").read_text() == (CONFIGS / name).read_text()
+    original, written = (CONFIGS / name).read_text(), (here / name).read_text()
+    assert list(yaml.safe_load_all(written)) == list(yaml.safe_load_all(original))
+    tokens, passes, per_pass, sections, kept = summary(result.stderr)
+    assert (sections, kept) == REAL_CONFIGS[name]
+    assert per_pass > 3  # copying: lookup drafts verify several tokens per pass
+    assert sum(1 for ln in original.splitlines() if ln.startswith("#")) == sum(
+        1 for ln in written.splitlines() if ln.startswith("#"))  # comments kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("instruction", [
+    "Change the server port to 9090.",  # the README's first command, word for word
+    "change the server port to 9090",
+])
+def test_model_applies_an_instruction(here, real, instruction):
+    result = run("reformat", "service.yaml", "--instruction", instruction)
+    assert result.exit_code == 0, result.stderr
+    assert yaml.safe_load(result.stdout) == {**yaml.safe_load(SERVICE),
+                                             "server": {**yaml.safe_load(SERVICE)["server"], "port": 9090}}
+    assert result.stdout.startswith("# Example service configuration")  # comment kept
+    assert result.stderr.endswith("the data changed in 1 place:\n  server.port: 8080 -> 9090\n")
+    assert summary(result.stderr)[3:] == (1, 0)
+
+
+@pytest.mark.slow
+def test_model_in_place_and_output_file(here, real):
+    result = run("reformat", "service.yaml", "-o", "out.yaml")
+    assert (result.exit_code, result.stdout) == (0, "")
+    assert yaml.safe_load((here / "out.yaml").read_text()) == yaml.safe_load(SERVICE)
+    result = run("reformat", "service.yaml", "-i", "change the server port to 9090", "--in-place")
+    assert result.exit_code == 0, result.stderr
+    assert yaml.safe_load((here / "service.yaml").read_text())["server"]["port"] == 9090
+    assert (here / "service.yaml.bak").read_text() == SERVICE
+    assert leftovers(here) == []
+
+
+@pytest.mark.slow
+def test_model_edit_to_json(here, real):
+    result = run("reformat", "service.yaml", "-i", "change the server port to 9090", "--to", "json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["server"]["port"] == 9090
+    assert data["features"] == ["search", "export", "audit-log"]
+
+
+@pytest.mark.slow
+def test_model_no_lookup_gives_the_same_text(here, real):
+    name = "readthedocs.yaml"
+    shutil.copy(CONFIGS / name, here / name)
+    with_lookup = run("reformat", name)
+    plain = run("reformat", name, "--no-lookup")
+    assert plain.exit_code == 0
+    assert plain.stdout == with_lookup.stdout
+    tokens, passes, per_pass, _, _ = summary(plain.stderr)
+    assert (tokens, per_pass) == (passes, 1.0)  # plain decoding: one token per pass
+
+
+@pytest.mark.slow
+def test_model_compare(here, real):
+    name = "dependabot.yml"
+    shutil.copy(CONFIGS / name, here / name)
+    result = run("reformat", name, "--compare")
+    assert result.exit_code == 0
+    assert re.search(r"^compare: lookupdec \d+\.\d s, plain \d+\.\d s \(\d+\.\d\dx\), prompt lookup \d+\.\d s "
+                     r"\(\d+\.\d\dx\); same text$", result.stderr, re.M), result.stderr
