@@ -140,7 +140,9 @@ class _AssistantConfig:
 class AssistantProtocol:
     """Mixed into :class:`~lookupdec.LookupDrafter`: the surface of a ``PreTrainedModel`` that transformers'
     assisted generation reads from ``assistant_model``. State lives in ``self._hf`` (one request at a time: do not
-    share one drafter between threads on this route; :func:`lookupdec.generate` has no such limit)."""
+    share one drafter between threads on this route; :func:`lookupdec.generate` has no such limit). transformers
+    does not tell a candidate generator that a request ended, so a request's output joins the rolling cache when
+    the next request on the same drafter starts."""
 
     def _hf_state(self) -> "_HfState":
         state = getattr(self, "_hf", None)
