@@ -73,8 +73,8 @@ _PRIORS = {  # bucket -> (first, then)
 }
 _PRIOR_WEIGHT = 6.0  # pseudo-observations behind each prior
 _FORGET = 0.97  # per update: recent behaviour counts more (a request moves between copying and writing)
-_RECOVER = 0.85
-_CALIBRATION_KEEP = 0.9  # the shared calibration follows the last ~10 drafts  # per skipped draft: a silent bucket drifts back to its prior, which is how copying is re-probed
+_RECOVER = 0.85  # per skipped draft: a silent bucket drifts back to its prior, which is how copying is re-probed
+_CALIBRATION_KEEP = 0.9  # the shared calibration follows the last ~10 drafts
 
 
 def _bucket(kind: str, shared: int) -> tuple:
@@ -366,11 +366,6 @@ class DraftSession:
                     t = -1
                     break
         self._cursor = t if 0 <= t < len(self.index) else -1
-
-    @property
-    def output(self) -> np.ndarray:
-        """The tokens generated in this request so far (int32)."""
-        return self.index.tokens[self._output_start:].copy()
 
     def finish(self) -> None:
         """End the request: its output joins the rolling cache, with a little of the prompt before it so the
