@@ -88,12 +88,17 @@ def generate(
     streamer=None,
     generator: Optional[torch.Generator] = None,
     tokenizer=None,
+    trace=None,
 ) -> LookupOutput:
     """Generate with lookup drafts; the output is what ``model.generate`` would produce with the same arguments.
 
     Greedy output is token-identical to plain greedy decoding; sampled output follows exactly the distribution of
     plain sampling with the same processors and warpers (temperature, top-k, top-p, penalties, ...). Pass a
     ``torch.Generator`` for reproducible sampling. ``tokenizer`` is only needed for ``stop_strings``.
+    ``trace`` (e.g. a :class:`lookupdec.trace.TraceRecorder`) is told about every target pass: its
+    ``start(prompt)`` gets the prompt's token ids, then ``step(draft, accepted, token, kept, seconds)`` runs once
+    per pass, the prefill first (empty draft); ``kept`` is how many of the pass's ``accepted + 1`` tokens were
+    committed (fewer only where generation stopped), ``seconds`` the pass's forward time.
     Unset arguments fall back to ``generation_config``, then to ``model.generation_config``, as in transformers.
     """
     if input_ids.dim() != 2:
@@ -107,12 +112,12 @@ def generate(
             model, input_ids, attention_mask, max_new_tokens, drafter or LookupDrafter(),
             dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                  repetition_penalty=repetition_penalty),
-            generation_config, logits_processor, stopping_criteria, streamer, generator, tokenizer,
+            generation_config, logits_processor, stopping_criteria, streamer, generator, tokenizer, trace,
         )
 
 
 def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrides, generation_config,
-              logits_processor, stopping_criteria, streamer, generator, tokenizer) -> LookupOutput:
+              logits_processor, stopping_criteria, streamer, generator, tokenizer, trace) -> LookupOutput:
     started = time.perf_counter()
     device = model.device
     padding = 0
@@ -157,10 +162,14 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
     session = drafter.start(prompt[0].cpu().numpy(), eos_ids=resolved.eos_ids)
     t0 = time.perf_counter()
     logits = _forward(model, prompt, cache, 1, params)  # [1, vocab]
-    stats.model_seconds += time.perf_counter() - t0
+    pass_seconds = time.perf_counter() - t0
+    stats.model_seconds += pass_seconds
     stats.target_passes += 1
     verdict = pick(logits, prompt.new_empty(0), process_fn, **extra)
     step_tokens = [verdict.token]
+    draft = np.zeros(0, dtype=np.int32)
+    if trace is not None:
+        trace.start(prompt[0].tolist())
     step_started = None
     while True:
         # Commit step_tokens (the previous pass's accepted tokens + its target token).
@@ -172,6 +181,8 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
         stats.new_tokens += keep
         if streamer is not None and committed:
             streamer.put(torch.tensor(committed, dtype=torch.long))
+        if trace is not None:
+            trace.step(draft.tolist(), n_new - 1, step_tokens[-1], keep, pass_seconds)
         if done:
             break
         t0 = time.perf_counter()
@@ -188,7 +199,8 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
 
         t0 = time.perf_counter()
         logits = _forward(model, feed, cache, d + 1, params)  # [d + 1, vocab]
-        stats.model_seconds += time.perf_counter() - t0
+        pass_seconds = time.perf_counter() - t0
+        stats.model_seconds += pass_seconds
         stats.target_passes += 1
 
         verdict = pick(logits, draft_t, process_fn, **extra)
