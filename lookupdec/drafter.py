@@ -19,6 +19,9 @@ grows with draft length (``PassCost``: any draft costs a jump, then a little per
 drafts nothing when no ``d`` beats a plain step (so open-ended text does not get slower). A bucket that stopped
 drafting slowly forgets its bad record, so copying is probed again later.
 
+Each mechanism can be switched off in ``DrafterConfig`` (``cursor``, ``guard``, ``adaptive``, ``use_cache``) to
+measure what it is worth (``benchmarks/simulate.py --ablate``).
+
 None of this can change what the target outputs: it only decides which tokens the target is asked to check.
 """
 
@@ -52,8 +55,18 @@ class DrafterConfig:
     # Choose each draft's length from measured acceptance and pass cost; False drafts max_draft whenever a
     # match exists (the behaviour of transformers' prompt lookup), for ablations.
     adaptive: bool = True
+    # Keep copying from the occurrence the last draft came from while the output follows it (the alignment
+    # cursor); False re-searches the index for every draft, for ablations.
+    cursor: bool = True
+    # The never-slower guard of the adaptive length: draft nothing when no length beats a plain step. False keeps
+    # the adaptive choice but drafts at least one token whenever there is a candidate, for ablations.
+    guard: bool = True
 
     def __post_init__(self):
+        for name in ("use_cache", "adaptive", "cursor", "guard"):
+            value = getattr(self, name)
+            if type(value) is not bool:  # 0, 1, None or "no" are mistakes; bool cannot be subclassed
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         if not 1 <= self.max_draft <= 256:
             raise ValueError(f"max_draft must be in [1, 256], got {self.max_draft}")
         if not 1 <= self.min_n <= self.max_n <= 16:
@@ -296,7 +309,11 @@ class DraftSession:
         candidate = self._clip(candidate)
         if cfg.adaptive:
             first, then = self._drafter.acceptance.estimate(bucket)
-            d = best_draft_length(first, then, *self._drafter.cost.relative(), len(candidate))
+            jump, slope = self._drafter.cost.relative()
+            if cfg.guard:
+                d = best_draft_length(first, then, jump, slope, len(candidate))
+            else:  # the best length >= 1 wins even where it loses to a plain step (every gain is > 0)
+                d = best_draft_length(first, then, jump, slope, len(candidate), margin=-1.0)
             if d == 0:
                 self._drafter.acceptance.skipped(bucket)
         else:
@@ -365,7 +382,7 @@ class DraftSession:
                 else:
                     t = -1
                     break
-        self._cursor = t if 0 <= t < len(self.index) else -1
+        self._cursor = t if 0 <= t < len(self.index) and self._drafter.drafter_config.cursor else -1
 
     def finish(self) -> None:
         """End the request: its output joins the rolling cache, with a little of the prompt before it so the

@@ -19,6 +19,10 @@ def _session(prompt, **config):
     ({"min_n": 3, "max_n": 2}, "1 <= min_n <= max_n <= 16"),
     ({"max_n": 17}, "1 <= min_n <= max_n <= 16"),
     ({"cache_tokens": 0}, "cache_tokens must be >= 1"),
+    ({"cursor": 0}, "cursor must be True or False"),
+    ({"guard": "no"}, "guard must be True or False"),
+    ({"adaptive": None}, "adaptive must be True or False"),
+    ({"use_cache": 1}, "use_cache must be True or False"),
 ])
 def test_invalid_config_is_refused_with_the_allowed_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -80,6 +84,15 @@ def test_cursor_keeps_copying_from_the_same_occurrence():
     assert session.propose(3).tolist() == [20, 21, 9]  # Not [30, 31]
 
 
+def test_without_the_cursor_every_draft_searches_the_index_again():
+    # The same text as above with cursor=False: after "1 2 3 4" the index's most recent occurrence wins.
+    source = [5, 1, 2, 3, 4, 20, 21, 9, 1, 2, 3, 4, 30, 31]
+    _, session = _session(source + [5], cursor=False)
+    assert session.propose(3).tolist() == [1, 2, 3]
+    session.commit([1, 2, 3, 4], accepted=3)
+    assert session.propose(3).tolist() == [30, 31, 5]  # Not [20, 21, 9]: no cursor to follow
+
+
 def test_output_of_a_finished_request_helps_the_next_one_through_the_cache():
     cache = RollingCache(max_tokens=1000)
     drafter = LookupDrafter(adaptive=False, cache=cache)
@@ -109,6 +122,24 @@ def test_adaptive_drafter_stops_drafting_where_drafts_fail():
         truth = rng.integers(100, 200, size=len(draft) + 1)  # never what was drafted
         session.commit(truth[:1], accepted=0, seconds=1.0 if len(draft) == 0 else 1.6)
     assert sum(lengths[-20:]) == 0, lengths
+
+
+def test_without_the_guard_the_drafter_keeps_drafting_where_drafts_fail():
+    # Hopeless text again, but the output stays in the prompt's vocabulary, so there is always a candidate. The
+    # default stops drafting; with guard=False the adaptive length still shrinks, but never to nothing.
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 4, size=200).astype(np.int32)
+    lengths = {}
+    for guard in (True, False):
+        session = LookupDrafter(use_cache=False, guard=guard).start(prompt)
+        lengths[guard] = []
+        for _ in range(60):
+            draft = session.propose(16)
+            lengths[guard].append(len(draft))
+            wrong = (draft[0] + 1) % 4 if len(draft) else rng.integers(0, 4)  # never the drafted token
+            session.commit([wrong], accepted=0, seconds=1.0 if len(draft) == 0 else 1.6)
+    assert lengths[True][-20:].count(0) >= 5, lengths[True]  # the guard skips drafts that do not pay
+    assert min(lengths[False]) >= 1 and max(lengths[False][-20:]) < 16, lengths[False]
 
 
 def test_adaptive_drafter_drafts_long_on_a_faithful_copy():
