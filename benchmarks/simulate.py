@@ -13,6 +13,7 @@ Examples::
     python benchmarks/simulate.py --quick
     python benchmarks/simulate.py --suites yaml code --per-suite 0
     python benchmarks/simulate.py --measure-cost
+    python benchmarks/simulate.py --ablate --ablate-out /tmp/ablate/ablation.md
 """
 
 from __future__ import annotations
@@ -81,15 +82,26 @@ def replay(session_factory, prompt: list, answer: list, cost, eos: int) -> dict:
         spent += step
         if hasattr(session, "observe"):
             session.observe(len(draft), step)
+    if hasattr(session, "finish"):
+        session.finish()  # the output joins the rolling cache, as lookupdec.generate does
     return {"tokens": len(answer), "passes": passes, "time": spent}
 
 
 class _LookupFactory:
-    def __init__(self, cost, eos, **config):
-        self.cost, self.eos, self.config = cost, eos, config
+    """Sessions of a LookupDrafter: a fresh drafter per request, or (``shared``) one drafter for every request
+    until ``reset()``, so later requests can copy from earlier outputs through the rolling cache."""
+
+    def __init__(self, cost, eos, shared=False, **config):
+        self.cost, self.eos, self.shared, self.config = cost, eos, shared, config
+        self.drafter = None
+
+    def reset(self):
+        self.drafter = None
 
     def __call__(self, prompt):
-        drafter = LookupDrafter(**self.config)
+        if self.drafter is None or not self.shared:
+            self.drafter = LookupDrafter(**self.config)
+        drafter = self.drafter
         session = drafter.start(prompt, eos_ids=[self.eos])
         session.observe = lambda d, t: drafter.cost.observe(d, t)
         return session
@@ -134,6 +146,63 @@ class _OracleSession:
         return self.answer[self.done: self.done + min(limit, self.k)]
 
 
+# Ablation rows: each mechanism switched off in turn. One drafter serves a suite's prompts in order (as a server
+# would), so the cross-request cache has earlier outputs to copy from; "fresh drafter" is run.py's setting.
+ABLATIONS = {
+    "lookupdec (all on)": {"shared": True},
+    "cursor off": {"shared": True, "cursor": False},
+    "guard off": {"shared": True, "guard": False},
+    "adaptive off (32-token drafts)": {"shared": True, "adaptive": False},
+    "cache off": {"shared": True, "use_cache": False},
+    "min_n=2": {"shared": True, "min_n": 2},
+    "min_n=3": {"shared": True, "min_n": 3},
+    "max_n=2": {"shared": True, "max_n": 2},
+    "fresh drafter per request": {},
+    # transformers' prompt lookup as a DrafterConfig: 10-token drafts of the longest 1..2-gram match, nothing else
+    # (it differs from transformers only in taking the most recent occurrence instead of the first).
+    "PLD-like config": {"max_draft": 10, "max_n": 2, "adaptive": False, "cursor": False, "use_cache": False},
+}
+
+
+def ablate(prompts, cost, eos, out: Path) -> str:
+    """Replay every ``ABLATIONS`` row, prompt lookup and the oracle over ``prompts`` [(Prompt, prompt ids,
+    greedy output)]; returns (and writes to ``out``) Markdown tables of simulated speedup and tokens per pass."""
+    systems = {name: _LookupFactory(cost, eos, **config) for name, config in ABLATIONS.items()}
+    systems["prompt lookup (transformers re-expressed, 10 tokens, 2-grams)"] = \
+        lambda pr: _PromptLookupSession(pr, 10, 2, eos)
+    rows = []
+    for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
+        for factory in systems.values():
+            if isinstance(factory, _LookupFactory):
+                factory.reset()  # one shared drafter per suite: suites do not see each other's outputs
+        for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
+            plain = len(answer) * cost(0)
+            row = {"suite": suite, "name": p.name}
+            for name, factory in [*systems.items(), ("oracle", lambda pr, a=answer: _OracleSession(a))]:
+                r = replay(factory, prompt, answer, cost, eos)
+                row[name] = (plain / r["time"], r["tokens"] / r["passes"])
+            rows.append(row)
+            print(f"{suite}/{p.name:28s} " + " ".join(f"{row[n][0]:.2f}" for n in row if n not in ("suite", "name")),
+                  file=sys.stderr)
+    names = [*systems, "oracle"]
+    suites = list(dict.fromkeys(r["suite"] for r in rows))
+    counts = {s: sum(r["suite"] == s for r in rows) for s in suites}
+    lines = [(f"Simulated (cpu cost model: 1 per plain step, 1.55 + 0.05 d per pass with d drafted tokens), "
+              f"replaying cached greedy outputs of {len(rows)} prompts; medians over each suite's prompts."), ""]
+    for what, col in (("simulated speedup over greedy", 0), ("tokens per pass (the target's own token included)", 1)):
+        head = f"| {what} | " + " | ".join(f"{s} ({counts[s]})" for s in suites) + " | all |"
+        lines += [head, "|---" * (len(suites) + 2) + "|"]
+        for name in names:
+            cells = [statistics.median(r[name][col] for r in rows if r["suite"] == s) for s in suites]
+            cells.append(statistics.median(r[name][col] for r in rows))
+            lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" + ("x" if col == 0 else "") for c in cells) + " |")
+        lines.append("")
+    table = "\n".join(lines)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table)
+    return table
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
@@ -143,6 +212,9 @@ def main(argv=None):
     ap.add_argument("--model", default=None)
     ap.add_argument("--measure-cost", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--ablate", action="store_true",
+                    help="switch each drafting mechanism off in turn; replays cached greedy outputs only")
+    ap.add_argument("--ablate-out", type=Path, default=Path("/tmp/ablate/ablation.md"))
     args = ap.parse_args(argv)
     if args.quick:
         args.per_suite = 2
@@ -161,6 +233,16 @@ def main(argv=None):
     cached = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     eos = int(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, int)
               else model.generation_config.eos_token_id[0])
+    if args.ablate:
+        prompts = []
+        for p in pick_prompts(args):
+            key = f"{p.suite}/{p.name}"
+            if key in cached:
+                prompts.append((p, encode(tokenizer, p.user)[0].tolist(), cached[key]))
+            else:
+                print(f"skipping {key}: no cached greedy output (a plain run of simulate.py makes it)", file=sys.stderr)
+        print(ablate(prompts, cost, eos, args.ablate_out))
+        return
     rows = []
     for p in pick_prompts(args):
         ids = encode(tokenizer, p.user)
