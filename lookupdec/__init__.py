@@ -21,6 +21,7 @@ _EXPORTS = {
     "RollingCache": ("cache", "RollingCache"),
     "NgramIndex": ("index", "NgramIndex"),
     "load_model": ("models", "load_model"),
+    "TraceRecorder": ("trace", "TraceRecorder"),
 }
 
 __all__ = sorted(_EXPORTS)
