@@ -686,9 +686,10 @@ class ModelEngine:
         return torch.cat([ids, prefill], dim=1)
 
     def complete(self, prompt: Prompt, max_new_tokens: int, method: str = "lookup",
-                 streamer: Optional[TokenProgress] = None, drafter=None) -> Completion:
+                 streamer: Optional[TokenProgress] = None, drafter=None, trace=None) -> Completion:
         """Greedy answer to ``prompt``, stopping at the closing fence; ``method`` is ``lookup`` (lookupdec, with
-        ``drafter`` or the engine's own), ``plain`` (``model.generate``) or ``pld`` (transformers' prompt lookup)."""
+        ``drafter`` or the engine's own), ``plain`` (``model.generate``) or ``pld`` (transformers' prompt lookup).
+        ``trace`` (a ``TraceRecorder``) records a lookup answer pass by pass."""
         import torch
         from transformers import StoppingCriteriaList
 
@@ -705,7 +706,7 @@ class ModelEngine:
             if method == "lookup":
                 out = generate(self.model, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                drafter=drafter or self.drafter, do_sample=False, stopping_criteria=stop,
-                               streamer=streamer)
+                               streamer=streamer, trace=trace)
                 sequences, passes = out.sequences, out.stats.target_passes
             else:
                 extra = {"prompt_lookup_num_tokens": 10} if method == "pld" else {}
@@ -825,9 +826,10 @@ class _Editor:
     instruction, a rejected section stops the run unless ``keep_going``.
     """
 
-    def __init__(self, engine, instruction, method, progress, keep_going, max_new_tokens, shown, say):
+    def __init__(self, engine, instruction, method, progress, keep_going, max_new_tokens, shown, say, trace=None):
         self.engine, self.instruction, self.method, self.progress = engine, instruction, method, progress
         self.keep_going, self.max_new_tokens, self.shown, self.say = keep_going, max_new_tokens, shown, say
+        self.trace = trace  # a TraceRecorder for --trace, or None
         self.completions: List[tuple] = []  # (prompt, budget, Completion) of every request, for --compare
         self.edited = 0  # sections whose result is the model's or that were kept (retried ones count once)
         self.kept = 0
@@ -835,11 +837,17 @@ class _Editor:
     def edit(self, section: Section, budget: int, depth: int = 0) -> List[tuple]:
         """``[(Section, result or None), ...]`` covering ``section``."""
         prompt = build_prompt(section.text, self.instruction)
-        done = self.engine.complete(prompt, budget, method=self.method, streamer=self.progress)
+        traced = {}
+        if self.trace is not None:
+            self.trace.label = f"{self.shown}: {section.lines}"
+            traced = {"trace": self.trace}  # passed only when tracing, so engines without the argument still work
+        done = self.engine.complete(prompt, budget, method=self.method, streamer=self.progress, **traced)
         self.completions.append((prompt, budget, done))
         result, closed = extract_block(done.answer)
         reason = check_section(section.text, result, self.instruction) if closed else (
             f"the model's output did not close its fenced block within {len(done.token_ids)} new tokens")
+        if self.trace is not None and self.trace.requests:
+            self.trace.requests[-1].note = "validated" if reason is None else f"rejected: {reason.splitlines()[0]}"
         if reason is None:
             self.edited += 1
             return [(section, _trim_blank_lines(result))]
@@ -967,8 +975,12 @@ def main():
 @click.option("--keep-going", is_flag=True, help="With --instruction: keep a section whose output fails "
               "validation as it was, instead of stopping.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the result (no progress, summary or notes).")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path), metavar="OUT.html",
+              help="Also write an HTML trace of the model's work, one block per section: accepted draft tokens "
+                   "green, the first rejected one red, the model's own tokens plain. Written when the result "
+                   "validated and when it was rejected (to see why).")
 def reformat(file: Path, instruction, to, output, in_place, model_name, max_new_tokens, no_lookup, compare,
-             keep_going, quiet):
+             keep_going, quiet, trace_path):
     """Reformat or edit the YAML file FILE with a local model, validating what it writes.
 
     Without --instruction the file is rewritten with consistent formatting, section by section; the result must
@@ -981,6 +993,7 @@ def reformat(file: Path, instruction, to, output, in_place, model_name, max_new_
       lookupdec reformat examples/configs/service.yaml
       lookupdec reformat service.yaml -i "change the server port to 9090" --in-place
       lookupdec reformat service.yaml --to json -o service.json
+      lookupdec reformat service.yaml --trace trace.html -o /dev/null
     """
     if output is not None and in_place:
         raise click.UsageError("use either -o/--output or --in-place, not both")
@@ -988,11 +1001,19 @@ def reformat(file: Path, instruction, to, output, in_place, model_name, max_new_
         raise click.UsageError("--compare times lookup decoding against the others; drop --no-lookup")
     if instruction is not None and not instruction.strip():
         raise click.UsageError("--instruction is empty")
+    if trace_path is not None and no_lookup:
+        raise click.UsageError("--trace records lookup decoding's passes; drop --no-lookup")
     say = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
+    trace = _Trace(trace_path, file) if trace_path is not None else None
     try:
         _reformat(file, instruction, to, output, in_place, model_name, max_new_tokens, no_lookup, compare,
-                  keep_going, quiet, say)
+                  keep_going, quiet, say, trace)
     except _Failed as err:
+        if trace is not None and err.code == EXIT_REJECTED:
+            try:
+                trace.save(say)
+            except _Failed as trace_err:
+                click.echo(f"error: {trace_err}", err=True)
         click.echo(f"error: {err}", err=True)
         raise click.exceptions.Exit(err.code) from None
     except KeyboardInterrupt:
@@ -1001,7 +1022,7 @@ def reformat(file: Path, instruction, to, output, in_place, model_name, max_new_
 
 
 def _reformat(file: Path, instruction, to, output, in_place, model_name, max_new_tokens, no_lookup, compare,
-              keep_going, quiet, say) -> None:
+              keep_going, quiet, say, trace: _Trace | None = None) -> None:
     shown = click.format_filename(str(file))
     try:
         text = read_input(file)
@@ -1020,6 +1041,8 @@ def _reformat(file: Path, instruction, to, output, in_place, model_name, max_new
             _check_writable(output)
         if in_place:
             _check_writable(file)
+        if trace is not None:
+            _check_writable(trace.path)
     except InputError as err:
         raise _Failed(str(err), EXIT_USAGE) from None
 
@@ -1043,7 +1066,8 @@ def _reformat(file: Path, instruction, to, output, in_place, model_name, max_new
     progress = TokenProgress(total=sum(n + 2 for n, s in zip(plan.sizes, plan.sections, strict=True) if s.edit),
                              enabled=not quiet)
     editor = _Editor(engine, instruction, "plain" if no_lookup else "lookup", progress, keep_going, max_new_tokens,
-                     shown, (lambda line: None) if quiet else progress.write)
+                     shown, (lambda line: None) if quiet else progress.write,
+                     trace.start(engine.tokenizer) if trace is not None else None)
     pieces: List[tuple] = []  # (Section, result or None), in file order
     started = time.perf_counter()
     try:
@@ -1084,6 +1108,35 @@ def _reformat(file: Path, instruction, to, output, in_place, model_name, max_new
         _compare(engine, editor.completions, say)
     if where:
         say(where)
+    if trace is not None:
+        trace.save(say)
+
+
+class _Trace:
+    """``--trace OUT.html``: the recorder that follows every section's request (not the ``--compare`` reruns),
+    and where its HTML goes. Written when the run ends with a result or a rejection, not on an input error or
+    Ctrl-C (nothing to see, or half a run)."""
+
+    def __init__(self, path: Path, file: Path):
+        self.path = path
+        self.title = f"lookupdec reformat {click.format_filename(str(file))}"
+        self.recorder = None
+
+    def start(self, tokenizer):
+        from lookupdec.trace import TraceRecorder
+
+        self.recorder = TraceRecorder(tokenizer, title=self.title)
+        return self.recorder
+
+    def save(self, say) -> None:
+        if self.recorder is None or not self.recorder.requests:
+            return
+        shown = click.format_filename(str(self.path))
+        try:
+            self.recorder.save_html(self.path)
+        except OSError as err:
+            raise _Failed(f"{shown}: cannot write the trace ({err.strerror or err})", EXIT_USAGE) from None
+        say(f"wrote trace {shown}")
 
 
 if __name__ == "__main__":  # pragma: no cover

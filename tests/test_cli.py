@@ -17,6 +17,7 @@ Every test runs in its own temporary folder with relative file names, so message
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
@@ -787,3 +788,31 @@ def test_model_compare(here, real):
     assert result.exit_code == 0
     assert re.search(r"^compare: lookupdec \d+\.\d s, plain \d+\.\d s \(\d+\.\d\dx\), prompt lookup \d+\.\d s "
                      r"\(\d+\.\d\dx\); same text$", result.stderr, re.M), result.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------
+# --trace
+
+
+def test_trace_needs_lookup_and_a_writable_path(here, stub):
+    result = run("reformat", "service.yaml", "--trace", "t.html", "--no-lookup")
+    assert result.exit_code == 2 and "--trace records lookup decoding's passes; drop --no-lookup" in result.stderr
+    result = run("reformat", "service.yaml", "--trace", "missing/t.html")
+    assert (result.exit_code, result.stderr) == (2, "error: missing/t.html: folder missing does not exist\n")
+    assert stub.sections == []
+
+
+@pytest.mark.slow
+def test_model_writes_a_trace(here, real):
+    result = run("reformat", "service.yaml", "-i", "change the server port to 9090", "--trace", "t.html")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.endswith("wrote trace t.html\n")
+    page = (here / "t.html").read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and "<title>lookupdec reformat service.yaml</title>" in page
+    assert '<h3>service.yaml: lines 1-17</h3><p class="ld-note">validated</p>' in page
+    # The text of the trace, rejected draft tokens left out, is the model's answer: the result, then the fence.
+    body = page[page.index('<div class="ld-text">'):]
+    text = html.unescape(re.sub(r"<[^>]+>", "", re.sub(r'<span class="ld-rej">.*?</span>', "", body, flags=re.DOTALL)))
+    assert text.startswith(result.stdout) and text[len(result.stdout):].startswith("```")
+    assert '<span class="ld-rej">8</span>' in page  # the old port was drafted and rejected at the edit
+    assert leftovers(here) == []
