@@ -14,6 +14,7 @@ Examples::
     python benchmarks/simulate.py --suites yaml code --per-suite 0
     python benchmarks/simulate.py --measure-cost
     python benchmarks/simulate.py --ablate --ablate-out /tmp/ablate/ablation.md
+    python benchmarks/simulate.py --trees --trees-out /tmp/ablate/trees.md
 """
 
 from __future__ import annotations
@@ -62,29 +63,87 @@ def measure_cost(model, lengths=(0, 1, 2, 4, 8, 16, 32, 48)) -> dict:
     return {d: t / out[0] for d, t in out.items()}
 
 
-def replay(session_factory, prompt: list, answer: list, cost, eos: int) -> dict:
-    """Step a drafter through ``answer``; returns passes, relative time and tokens."""
+def replay(session_factory, prompt: list, answer: list, cost, eos: int, branches: int = 1,
+           branch_len: int = 256, free_branches: bool = False) -> dict:
+    """Step a drafter through ``answer``; returns passes, relative time, tokens and tree statistics.
+
+    ``branches > 1`` studies token trees (lookup drafters only): besides the drafter's own draft, up to
+    ``branches - 1`` continuations of other earlier occurrences of the suffix (``_alternatives``), each at most
+    ``branch_len`` tokens and no longer than the draft, are verified in the same pass. The pass accepts the longest
+    prefix of the truth along any path and costs ``cost(tree nodes)`` (``free_branches``: only the drafter's own
+    draft is charged, an upper bound on what such trees could win).
+    """
     session = session_factory(prompt)
     passes, spent = 1, cost(0)  # the prefill pass yields the first token
-    committed = [answer[0]]
+    session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
     done = 1
+    tree = {"drafts": 0, "with_alternative": 0, "alternative_won": 0}
     while done < len(answer):
-        session.commit(np.asarray(committed, dtype=np.int32), len(committed) - 1, None)
-        draft = list(session.propose(len(answer) - done - 1))
+        draft = [int(t) for t in session.propose(len(answer) - done - 1)]
         truth = answer[done:]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == truth[accepted]:
-            accepted += 1
-        committed = truth[: accepted + 1]
+        paths, srcs = [draft], [-1]
+        if branches > 1 and draft:
+            for src, alt in _alternatives(session.index, min(len(draft), branch_len), eos):
+                if not any(path[: len(alt)] == alt for path in paths):  # it adds at least one node
+                    paths.append(alt)
+                    srcs.append(src)
+                    if len(paths) == branches:
+                        break
+        accepted = [_common_prefix(path, truth) for path in paths]
+        best = int(np.argmax(accepted))  # the drafter's own draft wins ties
+        committed = truth[: accepted[best] + 1]
         done += len(committed)
         passes += 1
-        step = cost(len(draft))
+        charged = len(draft) if free_branches else _trie_size(paths)
+        step = cost(charged)
         spent += step
+        if draft:
+            tree["drafts"] += 1
+            tree["with_alternative"] += len(paths) > 1
+            tree["alternative_won"] += best > 0
         if hasattr(session, "observe"):
-            session.observe(len(draft), step)
+            session.observe(charged, step)
+        # The drafter learns how its own draft fared; a winning alternative becomes the copy the cursor follows
+        # (the study reaches into the session for that: DraftSession has no tree API).
+        session.commit(np.asarray(committed, dtype=np.int32), accepted[0], None)
+        if best > 0 and session._drafter.drafter_config.cursor:
+            t = srcs[best] + len(committed)
+            if t < len(session.index) and session.index.tokens[srcs[best]: t].tolist() == committed:
+                session._cursor = t
     if hasattr(session, "finish"):
         session.finish()  # the output joins the rolling cache, as lookupdec.generate does
-    return {"tokens": len(answer), "passes": passes, "time": spent}
+    return {"tokens": len(answer), "passes": passes, "time": spent, **tree}
+
+
+def _common_prefix(draft: list, truth: list) -> int:
+    n = 0
+    while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
+        n += 1
+    return n
+
+
+def _trie_size(paths: list) -> int:
+    """Nodes of the token tree whose root-to-leaf paths are ``paths`` (shared prefixes are verified once)."""
+    return len({tuple(path[: i + 1]) for path in paths for i in range(len(path))})
+
+
+def _alternatives(index, length: int, eos: int):
+    """(src, continuation) for every earlier occurrence of a suffix n-gram, ``n`` from the index's longest match
+    down to ``min_n``: the longest shared context first, then the most recent; continuations up to ``length``
+    tokens, cut after EOS and before a reference separator."""
+    tokens = index.tokens
+    hits = set()
+    for n in range(index.match()[0], index.min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: len(tokens) - 1], n)  # [i] ends at src i + n
+        hits.update((np.flatnonzero((windows == tokens[len(tokens) - n:]).all(axis=1)) + n).tolist())
+    for src in sorted(hits, key=lambda src: (index.match_length(src, 32), src), reverse=True):
+        alt = tokens[src: src + length].tolist()
+        for pos, token in enumerate(alt):
+            if token < 0 or token == eos:
+                alt = alt[: pos + (token == eos)]
+                break
+        if alt:
+            yield src, alt
 
 
 class _LookupFactory:
@@ -203,6 +262,57 @@ def ablate(prompts, cost, eos, out: Path) -> str:
     return table
 
 
+# Token-tree variants: (branches per pass, longest alternative branch, alternatives cost nothing).
+TREES = {
+    "chain (lookupdec)": (1, 256, False),
+    "tree 2, alternatives <= 8 tokens": (2, 8, False),
+    "tree 3, alternatives <= 4 tokens": (3, 4, False),
+    "tree 3, alternatives <= 8 tokens": (3, 8, False),
+    "tree 3, alternatives as long as the draft": (3, 256, False),
+    "tree 3, as long, alternatives free (bound)": (3, 256, True),
+}
+
+
+def study_trees(prompts, cost, eos, out: Path) -> str:
+    """Replay the full drafter as a chain and as each ``TREES`` variant; returns (and writes to ``out``) Markdown
+    tables: how often alternatives exist and win, and the simulated speedups."""
+    rows = []
+    for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
+        factories = {name: _LookupFactory(cost, eos, **ABLATIONS["lookupdec (all on)"]) for name in TREES}
+        for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
+            plain = len(answer) * cost(0)
+            row = {"suite": suite}
+            for name, (branches, branch_len, free) in TREES.items():
+                row[name] = replay(factories[name], prompt, answer, cost, eos, branches, branch_len, free)
+                row[name]["x"] = plain / row[name]["time"]
+            rows.append(row)
+            print(f"{suite}/{p.name:28s} " + " ".join(f"{row[name]['x']:.2f}" for name in TREES), file=sys.stderr)
+    suites = [*dict.fromkeys(r["suite"] for r in rows), "all"]
+    groups = {suite: [r for r in rows if suite in ("all", r["suite"])] for suite in suites}
+    lines = [("Simulated (cpu cost model; a tree pass costs cost(tree nodes)), one drafter per suite as in the "
+              "ablation. Alternatives: continuations of other earlier occurrences of the suffix (longest n first), "
+              "added when they disagree with every branch so far within their length."), "",
+             "| counted in the 3-branch tree (alternatives as long as the draft) | " + " | ".join(suites) + " |",
+             "|---" * (len(suites) + 1) + "|"]
+    stat = {key: [sum(r["tree 3, alternatives as long as the draft"][key] for r in groups[s])
+                  for s in suites] for key in ("drafts", "with_alternative", "alternative_won")}
+    lines.append("| drafting passes | " + " | ".join(str(n) for n in stat["drafts"]) + " |")
+    for key, what in (("with_alternative", "an alternative exists"), ("alternative_won", "an alternative wins")):
+        lines.append(f"| {what} | " + " | ".join(f"{k / max(n, 1):.1%}" for k, n in zip(stat[key], stat["drafts"]))
+                     + " |")
+    lines += ["", "| simulated speedup over greedy (median per-prompt ratio to the chain) | " + " | ".join(suites)
+              + " |", "|---" * (len(suites) + 1) + "|"]
+    for name in TREES:
+        cells = [f"{statistics.median(r[name]['x'] for r in groups[s]):.2f}x "
+                 f"({statistics.median(r[name]['x'] / r['chain (lookupdec)']['x'] for r in groups[s]):.3f})"
+                 for s in suites]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table)
+    return table
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
@@ -215,6 +325,9 @@ def main(argv=None):
     ap.add_argument("--ablate", action="store_true",
                     help="switch each drafting mechanism off in turn; replays cached greedy outputs only")
     ap.add_argument("--ablate-out", type=Path, default=Path("/tmp/ablate/ablation.md"))
+    ap.add_argument("--trees", action="store_true",
+                    help="study token-tree drafts (2-3 branches per pass); replays cached greedy outputs only")
+    ap.add_argument("--trees-out", type=Path, default=Path("/tmp/ablate/trees.md"))
     args = ap.parse_args(argv)
     if args.quick:
         args.per_suite = 2
@@ -233,7 +346,7 @@ def main(argv=None):
     cached = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     eos = int(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, int)
               else model.generation_config.eos_token_id[0])
-    if args.ablate:
+    if args.ablate or args.trees:
         prompts = []
         for p in pick_prompts(args):
             key = f"{p.suite}/{p.name}"
@@ -241,7 +354,10 @@ def main(argv=None):
                 prompts.append((p, encode(tokenizer, p.user)[0].tolist(), cached[key]))
             else:
                 print(f"skipping {key}: no cached greedy output (a plain run of simulate.py makes it)", file=sys.stderr)
-        print(ablate(prompts, cost, eos, args.ablate_out))
+        if args.ablate:
+            print(ablate(prompts, cost, eos, args.ablate_out))
+        if args.trees:
+            print(study_trees(prompts, cost, eos, args.trees_out))
         return
     rows = []
     for p in pick_prompts(args):
