@@ -42,6 +42,9 @@ class GenerationStats:
     draft_seconds: float = 0.0  # proposing drafts and updating the drafter
     model_seconds: float = 0.0  # target forward passes (prefill included)
     total_seconds: float = 0.0
+    # Batches: the figures of each row, in the order of input_ids. The totals above count each batched pass once
+    # (target_passes, model_seconds) and sum the rows' tokens. Empty for a batch of one.
+    rows: List["GenerationStats"] = field(default_factory=list)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -72,8 +75,8 @@ class LookupOutput:
 
 def generate(
     model,
-    input_ids: torch.LongTensor,  # [1, prompt_len]
-    attention_mask: Optional[torch.Tensor] = None,  # [1, prompt_len]; left padding is allowed
+    input_ids: torch.LongTensor,  # [batch, prompt_len]
+    attention_mask: Optional[torch.Tensor] = None,  # [batch, prompt_len]; left padding, as for model.generate
     *,
     max_new_tokens: int,
     drafter: Optional[LookupDrafter] = None,
@@ -103,12 +106,13 @@ def generate(
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[0] != 1:
-        raise NotImplementedError("lookupdec.generate handles batch size 1 for now")
+    if input_ids.shape[0] == 0:
+        raise ValueError("input_ids holds no rows")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    run = _generate if input_ids.shape[0] == 1 else _generate_batch
     with torch.inference_mode():
-        return _generate(
+        return run(
             model, input_ids, attention_mask, max_new_tokens, drafter or LookupDrafter(),
             dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                  repetition_penalty=repetition_penalty),
@@ -218,6 +222,237 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
     stats.total_seconds = time.perf_counter() - started
     return LookupOutput(sequences=out.clone(), stats=stats)
 
+
+
+_COMPACT_SLACK = 64  # cache slots of holes tolerated beyond the longest row's tokens, before compacting
+
+
+class _Row:
+    """One request of a batch: its committed tokens, drafting session, processors and figures."""
+
+    def __init__(self, index, prompt, resolved, session, max_new_tokens, trace):
+        self.index = index  # row in the caller's input_ids
+        self.prompt_len = prompt.shape[1]
+        self.resolved = resolved
+        self.session = session
+        self.trace = trace
+        self.seq = torch.empty((1, self.prompt_len + max_new_tokens), dtype=torch.long, device=prompt.device)
+        self.seq[:, : self.prompt_len] = prompt
+        self.cur = self.prompt_len
+        self.stats = GenerationStats()
+        self.process = self._process if len(resolved.processors) else None
+        self.step_tokens: list = []
+        self.draft = np.zeros(0, dtype=np.int32)
+
+    def _process(self, pos: int, row: torch.Tensor) -> torch.Tensor:
+        return self.resolved.processors(self.seq[:, : self.cur + pos], row[None, :].float())[0]
+
+
+def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, overrides, generation_config,
+                    logits_processor, stopping_criteria, streamer, generator, tokenizer, trace) -> LookupOutput:
+    started = time.perf_counter()
+    device = model.device
+    batch, width = input_ids.shape
+    if streamer is not None:
+        raise ValueError("a streamer needs a batch of one (transformers' streamers do too)")
+    traces = list(trace) if trace is not None else [None] * batch
+    if len(traces) != batch:
+        raise ValueError(f"a batch of {batch} rows needs {batch} trace recorders (a list), got {len(traces)}")
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    lengths = mask.sum(dim=1)
+    if bool((lengths == 0).any()):
+        raise ValueError("every row of input_ids needs at least one token")
+    if not bool((mask == (torch.arange(width) >= (width - lengths)[:, None])).all()):
+        raise ValueError("attention_mask must be left padding (zeros first, then ones) on every row")
+    cache = DynamicCache(config=model.config)
+    params = frozenset(inspect.signature(model.forward).parameters)
+    if any(cache.is_sliding):
+        # Rows accept different numbers of tokens, which leaves masked holes between a row's cache entries; a
+        # sliding window counts cache slots, so holes would shrink it. Full-attention models only, for now.
+        raise NotImplementedError("batched lookup decoding needs a model without sliding-window attention; "
+                                  "pass one row at a time")
+    if "position_ids" not in params:
+        raise NotImplementedError(f"{type(model).__name__}.forward takes no position_ids; batches need them")
+
+    pick = None
+    rows = []
+    for r in range(batch):
+        prompt = input_ids[r: r + 1, width - int(lengths[r]):].to(device)
+        resolved = resolve_generation(
+            model, prompt, max_new_tokens=max_new_tokens, generation_config=generation_config,
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria, tokenizer=tokenizer,
+            **overrides,
+        )
+        pick = verify_sample if resolved.do_sample else verify_greedy
+        session = drafter.start(prompt[0].cpu().numpy(), eos_ids=resolved.eos_ids)
+        rows.append(_Row(r, prompt, resolved, session, max_new_tokens, traces[r]))
+        if traces[r] is not None:
+            traces[r].start(prompt[0].tolist())
+    extra = {"generator": generator} if rows[0].resolved.do_sample else {}
+    stats = GenerationStats(rows=[row.stats for row in rows])
+
+    # Prefill, as plain batched generate does it: left padding masked out, positions counted from each row's start.
+    mask = mask.to(device)
+    positions = mask.long().cumsum(-1) - 1
+    positions.masked_fill_(~mask, 1)
+    t0 = time.perf_counter()
+    logits = _forward_batch(model, input_ids.to(device), mask, positions, cache, 1, params)  # [batch, 1, vocab]
+    pass_seconds = time.perf_counter() - t0
+    stats.model_seconds += pass_seconds
+    stats.target_passes += 1
+    empty = input_ids.new_empty(0, device=device)
+    for i, row in enumerate(rows):
+        row.step_tokens = [pick(logits[i], empty, row.process, **extra).token]
+        row.stats.target_passes += 1
+        row.stats.model_seconds += pass_seconds
+
+    # Cache bookkeeping for the rows still running (``active``, in cache order): ``kv_mask[i, slot]`` says whether
+    # a cache slot holds one of row i's tokens; ``counts[i]`` how many do, which is also the position of its last
+    # committed token, the one not yet in the cache.
+    active = rows
+    kv_mask = mask
+    counts = lengths.to(device).clone()
+    while True:
+        finished = []
+        for i, row in enumerate(active):
+            n_new = len(row.step_tokens)
+            row.seq[0, row.cur: row.cur + n_new] = torch.tensor(row.step_tokens, dtype=torch.long)
+            done, keep = _stop_check(row.step_tokens, row.resolved, row.seq, row.cur, row.prompt_len,
+                                     max_new_tokens)
+            row.cur += keep
+            row.stats.new_tokens += keep
+            if row.trace is not None:
+                row.trace.step(row.draft.tolist(), n_new - 1, row.step_tokens[-1], keep, pass_seconds)
+            if done:
+                finished.append(i)
+                row.session.finish()
+            else:
+                # The pass time belongs to the batch, not to this row's draft: the single-row cost fit stays out.
+                row.session.commit(np.asarray(row.step_tokens, dtype=np.int32), n_new - 1, None)
+        if finished:
+            # A finished row leaves the batch, and its cache entries with it.
+            keep_rows = [i for i in range(len(active)) if i not in finished]
+            if not keep_rows:
+                break
+            select = torch.tensor(keep_rows, device=device)
+            cache.batch_select_indices(select)
+            kv_mask, counts = kv_mask[select], counts[select]
+            active = [active[i] for i in keep_rows]
+        kv_mask = _compact(cache, kv_mask, counts)
+
+        t0 = time.perf_counter()
+        drafts = [row.session.propose(max_new_tokens - (row.cur - row.prompt_len) - 1) for row in active]
+        stats.draft_seconds += time.perf_counter() - t0
+        width = max(len(draft) for draft in drafts) + 1
+        feed = torch.empty((len(active), width), dtype=torch.long, device=device)
+        feed_mask = torch.zeros((len(active), width), dtype=torch.bool, device=device)
+        draft_ts = []
+        for i, (row, draft) in enumerate(zip(active, drafts)):
+            d = len(draft)
+            draft_t = torch.from_numpy(draft.astype(np.int64)).to(device)
+            row.seq[0, row.cur: row.cur + d] = draft_t
+            feed[i, : d + 1] = row.seq[0, row.cur - 1: row.cur + d]
+            feed[i, d + 1:] = feed[i, 0]  # filler, masked out
+            feed_mask[i, : d + 1] = True
+            row.draft = draft
+            draft_ts.append(draft_t)
+        positions = counts[:, None] + torch.arange(width, device=device)
+
+        t0 = time.perf_counter()
+        logits = _forward_batch(model, feed, torch.cat([kv_mask, feed_mask], dim=1), positions, cache, width,
+                                params)  # [rows, width, vocab]
+        pass_seconds = time.perf_counter() - t0
+        stats.model_seconds += pass_seconds
+        stats.target_passes += 1
+
+        accepted = []
+        for i, (row, draft_t) in enumerate(zip(active, draft_ts)):
+            d = len(draft_t)
+            verdict = pick(logits[i, : d + 1], draft_t, row.process, **extra)
+            row.stats._record(d, verdict.accepted)
+            row.stats.target_passes += 1
+            row.stats.model_seconds += pass_seconds
+            row.step_tokens = row.draft[: verdict.accepted].tolist() + [verdict.token]
+            accepted.append(verdict.accepted)
+        # Keep as many of the new slots as the row that accepted most needs; the other rows' extra slots in that
+        # span stay in the cache as masked holes (compacted away once they pile up).
+        accepted_t = torch.tensor(accepted, device=device)
+        kept = int(accepted_t.max()) + 1
+        cache.crop(kept - width)
+        kv_mask = torch.cat([kv_mask, torch.arange(kept, device=device) <= accepted_t[:, None]], dim=1)
+        counts = counts + accepted_t + 1
+
+    for row in rows:
+        stats.new_tokens += row.stats.new_tokens
+        stats.drafted_tokens += row.stats.drafted_tokens
+        stats.accepted_tokens += row.stats.accepted_tokens
+        for pos, (n_drafted, n_accepted) in enumerate(zip(row.stats.drafted_per_position,
+                                                           row.stats.accepted_per_position)):
+            if pos == len(stats.drafted_per_position):
+                stats.drafted_per_position.append(0)
+                stats.accepted_per_position.append(0)
+            stats.drafted_per_position[pos] += n_drafted
+            stats.accepted_per_position[pos] += n_accepted
+    generated = max(row.cur - row.prompt_len for row in rows)
+    pad = _pad_token(rows[0].resolved)
+    out = torch.full((batch, input_ids.shape[1] + generated), pad, dtype=torch.long, device=device)
+    out[:, : input_ids.shape[1]] = input_ids.to(device)
+    for row in rows:
+        n = row.cur - row.prompt_len
+        out[row.index, input_ids.shape[1]: input_ids.shape[1] + n] = row.seq[0, row.prompt_len: row.cur]
+    stats.total_seconds = time.perf_counter() - started
+    for row in rows:
+        row.stats.total_seconds = stats.total_seconds
+    return LookupOutput(sequences=out, stats=stats)
+
+
+def _compact(cache, kv_mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Squeeze the masked holes out of the cache once they take more room than the tokens do, so memory stays
+    proportional to the longest row.
+
+    Before (``.`` a hole or left padding, letters a row's tokens)::
+
+        row 0:  . . a a . a a a . . a
+        row 1:  b b b b b b . b b b b
+
+    after: every row's tokens keep their order and end at the last slot, holes go to the left::
+
+        row 0:  . . . . a a a a a a
+        row 1:  b b b b b b b b b b
+
+    Keys carry their positions already (rotary or absolute embeddings were applied when they were computed), so
+    moving slots changes nothing a query sees.
+    """
+    slots, longest = kv_mask.shape[1], int(counts.max())
+    if slots <= 2 * longest + _COMPACT_SLACK:
+        return kv_mask
+    # A stable sort of the mask puts each row's holes first and its tokens last, both in their original order.
+    order = torch.sort(kv_mask.to(torch.uint8), dim=1, stable=True).indices[:, slots - longest:]
+    for layer in cache.layers:
+        index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        layer.keys = torch.gather(layer.keys, 2, index)
+        index = order[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+        layer.values = torch.gather(layer.values, 2, index)
+    return torch.gather(kv_mask, 1, order)
+
+
+def _pad_token(resolved) -> int:
+    config = resolved.generation_config
+    for token in (config.pad_token_id, next(iter(sorted(resolved.eos_ids)), None)):
+        if token is not None:
+            return int(token[0] if isinstance(token, (list, tuple)) else token)
+    return 0
+
+
+def _forward_batch(model, ids, mask, positions, cache, keep: int, params: frozenset) -> torch.Tensor:
+    """One target pass over ``ids`` [rows, n] with a 2-D mask over cache + new slots; last ``keep`` logits rows
+    of each row: [rows, keep, vocab]."""
+    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in params else {}
+    kwargs["cache" if "cache" in params else "past_key_values"] = cache
+    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=True, **kwargs)
+    return out.logits[:, -keep:]
 
 def _forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset) -> torch.Tensor:
     """One target pass over ``ids`` [1, n] on ``cache``; returns the last ``keep`` rows of logits [keep, vocab]."""

@@ -206,12 +206,6 @@ def test_cache_never_holds_rejected_positions(tiny_model):
     assert out.stats.target_passes == len(lengths)
 
 
-def test_batch_above_one_is_refused(tiny_model):
-    prompt = _prompts(tiny_model, count=1)[0]
-    with pytest.raises(NotImplementedError, match="batch size 1"):
-        lookupdec.generate(tiny_model, prompt.repeat(2, 1), max_new_tokens=4)
-
-
 def test_bad_arguments(tiny_model):
     prompt = _prompts(tiny_model, count=1)[0]
     with pytest.raises(ValueError, match="max_new_tokens"):

@@ -1,0 +1,209 @@
+"""Batched generation: every row gives what single-sequence ``model.generate`` gives on that row alone.
+
+Rows of different lengths (left padding), drafts of different lengths, rows that accept different numbers of tokens
+and finish at different times (EOS inside drafts, budgets), the cache compaction, sampling per row, and bad input.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from test_exactness import _plain, _prompts
+from test_sampling import ALPHA, STEPS, _pad, _plain_samples, _two_sample_p
+
+import lookupdec
+from lookupdec import LookupDrafter
+from lookupdec import loop as loop_module
+
+
+def _left_pad(prompts, pad):
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1]:] = p[0]
+        mask[i, width - p.shape[1]:] = 1
+    return ids, mask
+
+
+def _rows(out, width, pad):
+    """New tokens of each row, the trailing padding of rows that finished early dropped."""
+    rows = []
+    for row in out.sequences[:, width:].tolist():
+        while row and row[-1] == pad:
+            row.pop()
+        rows.append(row)
+    return rows
+
+
+def _singles(model, prompts, budget, **kw):
+    return [_plain(model, p, max_new_tokens=budget, **kw)[0, p.shape[1]:].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("budget", [1, 3, 50])
+def test_rows_match_single_sequence_greedy(tiny_model, budget):
+    prompts = _prompts(tiny_model, count=4, seed=5)  # lengths 58, 61, 64, 67: left padding differs per row
+    pad = tiny_model.generation_config.pad_token_id
+    ids, mask = _left_pad(prompts, pad)
+    out = lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=budget, drafter=LookupDrafter())
+    assert out.sequences[:, : ids.shape[1]].tolist() == ids.tolist()
+    assert _rows(out, ids.shape[1], pad) == _singles(tiny_model, prompts, budget)
+    assert [r.new_tokens for r in out.stats.rows] == [len(r) for r in _singles(tiny_model, prompts, budget)]
+    assert out.stats.new_tokens == sum(r.new_tokens for r in out.stats.rows)
+    if budget == 50:
+        assert out.stats.accepted_tokens > 0  # drafts were accepted, on rows that accept different amounts
+        assert min(r.target_passes for r in out.stats.rows) < budget
+
+
+def test_matches_plain_batched_generate(tiny_model):
+    prompts = _prompts(tiny_model, count=3, seed=7)
+    ids, mask = _left_pad(prompts, tiny_model.generation_config.pad_token_id)
+    plain = tiny_model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    out = lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=40)
+    assert out.sequences.tolist() == plain.tolist()
+
+
+def test_rows_finish_at_different_times(tiny_factory):
+    # EOS is a token one row produces early: that row stops there (padded after), the others go on.
+    model = tiny_factory("llama")
+    prompts = _prompts(model, count=3, seed=11)
+    singles = _singles(model, prompts, 40)
+    eos = singles[0][5]
+    config = model.generation_config
+    old = config.eos_token_id
+    config.eos_token_id = eos
+    try:
+        ids, mask = _left_pad(prompts, config.pad_token_id)
+        expected = _singles(model, prompts, 40)
+        out = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=40)
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    finally:
+        config.eos_token_id = old
+    assert _rows(out, ids.shape[1], config.pad_token_id) == expected
+    assert out.sequences.tolist() == plain.tolist()
+    lengths = [len(row) for row in expected]
+    assert min(lengths) < max(lengths)
+    passes = [r.target_passes for r in out.stats.rows]
+    assert passes[lengths.index(min(lengths))] < max(passes)  # the finished row left the batch
+
+
+def test_compaction_keeps_rows_exact(tiny_model, monkeypatch):
+    # Compact after every step (no slack): holes are squeezed out all the time, and outputs stay exact.
+    monkeypatch.setattr(loop_module, "_COMPACT_SLACK", -10**6)
+    slots = []
+
+    def hook(module, args, kwargs, output):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        slots.append(cache.get_seq_length())
+
+    prompts = _prompts(tiny_model, count=3, seed=13)
+    pad = tiny_model.generation_config.pad_token_id
+    ids, mask = _left_pad(prompts, pad)
+    handle = tiny_model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        out = lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=50,
+                                 drafter=LookupDrafter(adaptive=False))
+    finally:
+        handle.remove()
+    assert _rows(out, ids.shape[1], pad) == _singles(tiny_model, prompts, 50)
+    # Compacted, the cache is as long as the longest row: its prompt and new tokens, nothing else.
+    assert max(slots) <= max(p.shape[1] for p in prompts) + 50 + 32
+
+
+def test_one_row_batch_equals_the_single_path(tiny_model):
+    prompt = _prompts(tiny_model, count=1, seed=3)[0]
+    two = lookupdec.generate(tiny_model, prompt.repeat(2, 1), max_new_tokens=30)
+    one = lookupdec.generate(tiny_model, prompt, max_new_tokens=30)
+    assert two.sequences.tolist() == one.sequences.repeat(2, 1).tolist()
+    assert len(two.stats.rows) == 2 and one.stats.rows == []
+
+
+def test_batched_sampling_follows_each_rows_distribution():
+    # Two different prompts, three copies each per call: each row's samples must be distributed like plain
+    # sampling of that prompt alone, with independent randomness per row.
+    from test_sampling import peaky as peaky_fixture
+
+    model, prompt = peaky_fixture.__wrapped__()
+    other = prompt[:, 3:]  # a shorter prompt: the batch gets left padding
+    ids, mask = _left_pad([prompt, other, prompt, other, prompt, other], 2)
+    gen = torch.Generator().manual_seed(7)
+    rows = {0: [], 1: []}
+    for _ in range(250):
+        out = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=True,
+                                 generator=gen, drafter=LookupDrafter(adaptive=False, use_cache=False))
+        for i, row in enumerate(out.sequences[:, ids.shape[1]:].tolist()):
+            rows[i % 2].append(row[:STEPS])
+    for which, p in ((0, prompt), (1, other)):
+        plain = _plain_samples(model, p, 1500)
+        ours = _pad([[t for t in row] for row in rows[which]])
+        p_values = [_two_sample_p(Counter(plain[:, pos].tolist()), Counter(ours[:, pos].tolist()))
+                    for pos in range(STEPS)]
+        assert min(p_values) > ALPHA, (which, p_values)
+    # Rows with the same prompt in one call drew different samples somewhere: randomness is per row.
+    assert len({tuple(r) for r in rows[0]}) > 10
+
+
+def test_bad_batches_are_refused(tiny_model):
+    prompts = _prompts(tiny_model, count=2, seed=17)
+    ids, mask = _left_pad(prompts, 2)
+    with pytest.raises(ValueError, match="left padding"):
+        lookupdec.generate(tiny_model, ids, attention_mask=mask.flip(1), max_new_tokens=4)
+    with pytest.raises(ValueError, match="at least one token"):
+        lookupdec.generate(tiny_model, ids, attention_mask=torch.zeros_like(mask), max_new_tokens=4)
+    with pytest.raises(ValueError, match="streamer"):
+        lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=4, streamer=object())
+    with pytest.raises(ValueError, match="trace"):
+        lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=4, trace=[None])
+
+
+def test_sliding_window_models_are_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    model = MistralForCausalLM(config).eval()
+    ids = torch.randint(3, 64, (2, 10))
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        lookupdec.generate(model, ids, max_new_tokens=4)
+
+
+def test_traces_per_row(tiny_model):
+    class Recorder:
+        def __init__(self):
+            self.prompt, self.kept = None, 0
+
+        def start(self, prompt):
+            self.prompt = prompt
+
+        def step(self, draft, accepted, token, kept, seconds):
+            assert 0 <= accepted <= len(draft) and kept <= accepted + 1
+            self.kept += kept
+
+    prompts = _prompts(tiny_model, count=2, seed=19)
+    ids, mask = _left_pad(prompts, 2)
+    recorders = [Recorder(), Recorder()]
+    out = lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=20, trace=recorders)
+    for recorder, prompt, row in zip(recorders, prompts, out.stats.rows):
+        assert recorder.prompt == prompt[0].tolist()
+        assert recorder.kept == row.new_tokens
+
+
+@pytest.mark.slow
+def test_real_model_batch_of_edits(smollm2):
+    model, tokenizer = smollm2
+    texts = [
+        "Rewrite this YAML with the port changed to 9090:\n\nserver:\n  host: 0.0.0.0\n  port: 8080\n  workers: 4\n",
+        "Copy this list, in the same order:\n\n- alpha\n- beta\n- gamma\n- delta\n- epsilon\n",
+        "Say hello.",
+    ]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for t in texts]
+    pad = tokenizer.pad_token_id
+    ids, mask = _left_pad(prompts, pad)
+    out = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=48)
+    expected = _singles(model, prompts, 48)
+    got = out.sequences[:, ids.shape[1]:].tolist()
+    for row, want in zip(got, expected):
+        assert row[: len(want)] == want
+        assert all(t == pad for t in row[len(want):])
+    assert out.stats.accepted_tokens > 0
