@@ -29,6 +29,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -302,6 +303,9 @@ def main(argv=None):
                     help="re-render results.md and the plots from an existing results.json, without running")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's choice)")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
+                    help="batch mode: plain batched greedy vs lookupdec at these batch sizes, on the copy-heavy "
+                         "prompts (see benchmarks/batch.py); writes batch.json / batch.md")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     if args.report:
@@ -324,6 +328,8 @@ def main(argv=None):
     model, tokenizer = load_model(args.model)
     print(f"model loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
     counter = PassCounter(model)
+    if args.batch:
+        return batch_mode(model, tokenizer, args)
     prompts = pick_prompts(args)
     pld = (args.pld_tokens, args.pld_ngram)
     if args.pld_sweep and "pld_tuned" in systems:
@@ -367,6 +373,26 @@ def main(argv=None):
     meta["systems"] = systems
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     report(args.out / "results.json")
+    print(f"total {meta['seconds']}s; results in {args.out}", file=sys.stderr)
+
+
+def batch_mode(model, tokenizer, args):
+    import batch
+
+    suites = [s for s in args.suites if s in COPY_HEAVY] or list(COPY_HEAVY)
+    # Alternate the suites so every batch mixes YAML and code edits.
+    per_suite = [SUITES[s]() for s in suites]
+    prompts = [p for group in itertools.zip_longest(*per_suite) for p in group if p is not None]
+    started = time.perf_counter()
+    data = batch.run_batches(model, tokenizer, prompts, sorted(set(args.batch)), args, encode)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}", "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        "max_new_tokens": args.max_new_tokens, "reps": args.reps, "prompts": max(args.batch),
+        "seconds": round(time.perf_counter() - started, 1),
+        "command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
+    }
+    batch.write(data, meta, args.out)
     print(f"total {meta['seconds']}s; results in {args.out}", file=sys.stderr)
 
 

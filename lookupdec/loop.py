@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .drafter import LookupDrafter
+from .drafter import LookupDrafter, best_batch_length
 from .hf import resolve_generation
 from .verify import verify_greedy, verify_sample
 
@@ -343,7 +343,15 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
         kv_mask = _compact(cache, kv_mask, counts)
 
         t0 = time.perf_counter()
-        drafts = [row.session.propose(max_new_tokens - (row.cur - row.prompt_len) - 1) for row in active]
+        offers = [row.session.offer(max_new_tokens - (row.cur - row.prompt_len) - 1) for row in active]
+        cost = drafter.batch_cost(len(active))
+        if drafter.drafter_config.adaptive:
+            # One length for the batch: the pass is as wide as the longest draft, so every row may fill it.
+            margin = 0.02 if drafter.drafter_config.guard else -1.0
+            length = best_batch_length(offers, *cost.relative(), margin=margin)
+        else:
+            length = max(offer.tokens.size for offer in offers)
+        drafts = [row.session.take(length) for row in active]
         stats.draft_seconds += time.perf_counter() - t0
         width = max(len(draft) for draft in drafts) + 1
         feed = torch.empty((len(active), width), dtype=torch.long, device=device)
@@ -364,6 +372,7 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
         logits = _forward_batch(model, feed, torch.cat([kv_mask, feed_mask], dim=1), positions, cache, width,
                                 params)  # [rows, width, vocab]
         pass_seconds = time.perf_counter() - t0
+        cost.observe(width - 1, pass_seconds)
         stats.model_seconds += pass_seconds
         stats.target_passes += 1
 

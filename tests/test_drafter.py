@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lookupdec import DrafterConfig, LookupDrafter, RollingCache
-from lookupdec.drafter import PassCost, best_draft_length
+from lookupdec.drafter import Offer, PassCost, best_batch_length, best_draft_length
 
 
 def _session(prompt, **config):
@@ -183,3 +183,49 @@ def test_pass_cost_recovers_the_shape_it_is_shown():
     jump, slope = cost.relative()
     assert jump == pytest.approx(0.3, abs=1e-6)
     assert slope == pytest.approx(0.02, abs=1e-6)
+
+
+def _offer(length, first, then):
+    return Offer(np.arange(length, dtype=np.int32), first, then)
+
+
+def test_best_batch_length_is_the_argmax_of_the_batchs_expected_tokens_per_time():
+    offers = [_offer(32, 0.95, 0.97), _offer(5, 0.6, 0.8), _offer(0, 0.0, 0.0), _offer(20, 0.3, 0.5)]
+    jump, slope = 0.2, 0.14
+
+    def gain(d):
+        if d == 0:
+            return 1.02
+        tokens = 4 + sum(o.first * sum(o.then**i for i in range(min(d, o.tokens.size))) for o in offers)
+        return tokens / (4 * (1 + jump + slope * d))
+
+    assert best_batch_length(offers, jump, slope) == int(np.argmax([gain(d) for d in range(33)]))
+
+
+def test_batch_drafts_shrink_as_verification_gets_dearer():
+    offers = [_offer(32, 0.8, 0.9)] * 4
+    cheap = best_batch_length(offers, 0.05, 0.02)
+    dear = best_batch_length(offers, 0.4, 0.28)
+    assert cheap > dear > 0
+    assert best_batch_length([_offer(32, 0.1, 0.5)] * 4, 0.4, 0.28) == 0  # unlikely copies: a plain step
+    assert best_batch_length([_offer(0, 0.0, 0.0)] * 2, 0.0, 0.0) == 0
+
+
+def test_offer_then_take_is_propose_with_a_chosen_length():
+    drafter = LookupDrafter(use_cache=False)
+    session = drafter.start([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
+    offer = session.offer(10)
+    assert offer.tokens.tolist() == [4, 5, 6, 7, 8, 1, 2, 3]
+    assert 0 < offer.first < 1 and 0 < offer.then < 1
+    assert session.take(3).tolist() == [4, 5, 6]
+    session.commit([4, 5, 6, 7], accepted=3)  # all 3 accepted: the cursor follows the copy
+    assert session.offer(2).tokens.tolist() == [8, 1]
+    assert session.take(0).size == 0
+
+
+def test_batch_cost_is_per_batch_size_and_the_single_cost_for_one_row():
+    drafter = LookupDrafter()
+    assert drafter.batch_cost(1) is drafter.cost
+    four, eight = drafter.batch_cost(4), drafter.batch_cost(8)
+    assert four is drafter.batch_cost(4) and four is not eight
+    assert four.relative()[1] < eight.relative()[1]  # priors: a drafted position costs more in a bigger batch
