@@ -67,6 +67,7 @@ MAX_FILE_BYTES = 1 << 20  # 1 MiB of YAML is hours of generation on a CPU; refus
 REFORMAT_SECTION_TOKENS = 80  # the embedded model copies sections up to about this size faithfully
 BUDGET_MARGIN = 16  # --max-new-tokens N: a section may hold N - 16 tokens (the fences and some slack)
 PROMPT_OVERHEAD = 160  # system prompt, chat template and instruction around a section, in tokens
+DEFAULT_BATCH = 4  # sections per batch: on a 2-core CPU lookup still pays at 4 rows (benchmarks/run.py --batch)
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -644,6 +645,14 @@ class TokenProgress:
     def end(self) -> None:
         pass
 
+    def add(self, tokens: int, passes: int) -> None:
+        """A whole batch at once: ``tokens`` new tokens from ``passes`` batched passes."""
+        self.tokens += tokens
+        self.passes += passes
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{self.tokens / max(self.passes, 1):.2f} tok/pass", refresh=False)
+            self._bar.update(tokens)
+
     def write(self, line: str) -> None:
         """A message on stderr that does not tear the bar."""
         if self._bar is not None:
@@ -698,7 +707,7 @@ class ModelEngine:
         ids = self.encode(prompt)  # [1, prompt_len]
         max_new_tokens = max(1, min(max_new_tokens, self.context - ids.shape[1]))  # a user budget may exceed it
         mask = torch.ones_like(ids)
-        stop = StoppingCriteriaList([_FenceStop(self.tokenizer, ids.shape[1])])
+        stop = StoppingCriteriaList([_FenceStop(self.tokenizer)])
         if streamer is not None:
             streamer.start_request()
         started = time.perf_counter()
@@ -719,6 +728,44 @@ class ModelEngine:
         return Completion(prompt.prefill + text, tuple(new), passes, seconds)
 
 
+    def complete_many(self, prompts: Sequence[Prompt], budgets: Sequence[int],
+                      progress: Optional["TokenProgress"] = None, traces=None) -> List[Completion]:
+        """Greedy lookup answers to several prompts in one batch (``lookupdec.generate`` on left-padded rows);
+        each answer is what :meth:`complete` would give for that prompt and budget alone. ``traces``: one
+        ``TraceRecorder`` per prompt, or None."""
+        import torch
+        from transformers import StoppingCriteriaList
+
+        from lookupdec import generate
+
+        encoded = [self.encode(p)[0] for p in prompts]
+        budgets = [max(1, min(b, self.context - len(e))) for b, e in zip(budgets, encoded, strict=True)]
+        pad = self.tokenizer.pad_token_id
+        pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        width = max(len(e) for e in encoded)
+        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, e in enumerate(encoded):
+            ids[i, width - len(e):] = e
+            mask[i, width - len(e):] = 1
+        started = time.perf_counter()
+        with torch.inference_mode(), _transformers_errors_only():
+            out = generate(self.model, ids, attention_mask=mask, max_new_tokens=max(budgets), drafter=self.drafter,
+                           do_sample=False, stopping_criteria=StoppingCriteriaList([_FenceStop(self.tokenizer)]),
+                           trace=traces)
+        seconds = time.perf_counter() - started
+        done = []
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+            row = out.stats.rows[i]
+            # A row may run past its own budget while others need more: cut it where it alone would have stopped.
+            new = out.sequences[i, width: width + row.new_tokens].tolist()[:budget]
+            text = self.tokenizer.decode(new, skip_special_tokens=True)
+            done.append(Completion(prompt.prefill + text, tuple(new), row.target_passes, seconds))
+        if progress is not None:
+            progress.add(sum(len(c.token_ids) for c in done), out.stats.target_passes)
+        return done
+
+
 @contextlib.contextmanager
 def _transformers_errors_only():
     """transformers warns that no attention mask was passed (lookupdec's ``resolve_generation`` tells it so even
@@ -735,18 +782,20 @@ def _transformers_errors_only():
 
 class _FenceStop:
     """Stops generation once the answer closes its fenced block; without it the model repeats the block until
-    the token budget runs out. Only new tokens are looked at, so the prefilled opening fence does not count."""
+    the token budget runs out. It looks at the last few tokens for three backticks that do not open a block
+    (an opening fence is followed by its language, ```yaml), so it needs no prompt length and serves every row
+    of a batch: the prefilled opening fence does not count."""
 
-    def __init__(self, tokenizer, prompt_len: int):
+    _CLOSING = re.compile(r"```(?![A-Za-z])")
+
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.prompt_len = prompt_len
 
     def __call__(self, input_ids, scores=None, **kwargs):  # input_ids [batch, length] -> [batch] bool
         import torch
 
-        tail = input_ids[0, max(self.prompt_len, input_ids.shape[1] - 4):].tolist()
-        done = "```" in self.tokenizer.decode(tail)
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+        done = [bool(self._CLOSING.search(self.tokenizer.decode(row[-4:].tolist()))) for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 def _open_engine(name: Optional[str], progress: bool) -> ModelEngine:
@@ -818,60 +867,112 @@ def _trim_blank_lines(text: str) -> str:
     return "".join(lines)
 
 
-class _Editor:
-    """Asks the model for each section and validates the answer; counts what it did for the summary.
+class _Job:
+    """One section to ask the model for; ``pieces`` becomes its result: ``(Section, text or None)`` pairs and, for
+    a section cut finer after a rejection, the jobs of its parts, in file order."""
 
-    In a reformat, a section whose answer is rejected is cut into smaller sections and tried again (the model
-    copies small ones better), down to pieces that cannot be cut; those are kept as they were. With an
-    instruction, a rejected section stops the run unless ``keep_going``.
+    def __init__(self, section: Section, budget: int, shown: str, depth: int = 0):
+        self.section, self.budget, self.shown, self.depth = section, budget, shown, depth
+        self.pieces: list = []
+
+    def flat(self) -> List[tuple]:
+        out = []
+        for piece in self.pieces:
+            out += piece.flat() if isinstance(piece, _Job) else [piece]
+        return out
+
+
+class _Editor:
+    """Asks the model for every section and validates the answers; counts what it did for the summary.
+
+    Sections go to the model in batches of up to ``batch`` (one ``lookupdec.generate`` call per batch, sections
+    of several files mixed), each answer exactly what the section alone would get. In a reformat, a section whose
+    answer is rejected is cut into smaller sections that join the next round of batches (the model copies small
+    ones better), down to pieces that cannot be cut; those are kept as they were. With an instruction, a
+    rejected section stops the run unless ``keep_going``.
     """
 
-    def __init__(self, engine, instruction, method, progress, keep_going, max_new_tokens, shown, say, trace=None):
+    def __init__(self, engine, instruction, method, progress, keep_going, max_new_tokens, say, trace=None,
+                 batch: int = 1):
         self.engine, self.instruction, self.method, self.progress = engine, instruction, method, progress
-        self.keep_going, self.max_new_tokens, self.shown, self.say = keep_going, max_new_tokens, shown, say
+        self.keep_going, self.max_new_tokens, self.say = keep_going, max_new_tokens, say
         self.trace = trace  # a TraceRecorder for --trace, or None
+        self.batch = batch
         self.completions: List[tuple] = []  # (prompt, budget, Completion) of every request, for --compare
-        self.edited = 0  # sections whose result is the model's or that were kept (retried ones count once)
-        self.kept = 0
+        self.edited = Counter()  # per file shown: sections whose result is the model's or that were kept
+        self.kept = Counter()
 
-    def edit(self, section: Section, budget: int, depth: int = 0) -> List[tuple]:
-        """``[(Section, result or None), ...]`` covering ``section``."""
-        prompt = build_prompt(section.text, self.instruction)
-        traced = {}
-        if self.trace is not None:
-            self.trace.label = f"{self.shown}: {section.lines}"
-            traced = {"trace": self.trace}  # passed only when tracing, so engines without the argument still work
-        done = self.engine.complete(prompt, budget, method=self.method, streamer=self.progress, **traced)
-        self.completions.append((prompt, budget, done))
+    def run(self, jobs: Sequence[_Job]) -> None:
+        """Fill in every job's ``pieces``."""
+        queue = list(jobs)
+        while queue:
+            answers = []
+            for start in range(0, len(queue), self.batch):
+                answers += self._complete(queue[start: start + self.batch])
+            following = []
+            for job, (done, request) in zip(queue, answers, strict=True):
+                following += self._settle(job, done, request)
+            queue = following
+
+    def _complete(self, jobs: Sequence[_Job]) -> List[tuple]:
+        """``[(Completion, trace request or None), ...]`` for ``jobs``, batched when the engine can."""
+        prompts = [build_prompt(job.section.text, self.instruction) for job in jobs]
+        recorders = [self._recorder(job) for job in jobs] if self.trace is not None else None
+        if len(jobs) > 1 and self.method == "lookup" and hasattr(self.engine, "complete_many"):
+            done = self.engine.complete_many(prompts, [job.budget for job in jobs], self.progress, recorders)
+        else:
+            done = []
+            for i, (job, prompt) in enumerate(zip(jobs, prompts, strict=True)):
+                # trace is passed only when tracing, so engines without the argument still work
+                traced = {"trace": recorders[i]} if recorders is not None else {}
+                done.append(self.engine.complete(prompt, job.budget, method=self.method, streamer=self.progress,
+                                                 **traced))
+        requests = [None] * len(jobs)
+        if recorders is not None:
+            for i, recorder in enumerate(recorders):
+                self.trace.requests += recorder.requests
+                requests[i] = recorder.requests[-1] if recorder.requests else None
+        self.completions += [(p, job.budget, d) for p, job, d in zip(prompts, jobs, done, strict=True)]
+        return list(zip(done, requests, strict=True))
+
+    def _recorder(self, job: _Job):
+        recorder = type(self.trace)(self.trace.tokenizer, title=self.trace.title)
+        recorder.label = f"{job.shown}: {job.section.lines}"
+        return recorder
+
+    def _settle(self, job: _Job, done: Completion, request) -> List[_Job]:
+        """Validate ``job``'s answer and set its pieces; returns the jobs of its parts when it is cut finer."""
+        section = job.section
         result, closed = extract_block(done.answer)
         reason = check_section(section.text, result, self.instruction) if closed else (
             f"the model's output did not close its fenced block within {len(done.token_ids)} new tokens")
-        if self.trace is not None and self.trace.requests:
-            self.trace.requests[-1].note = "validated" if reason is None else f"rejected: {reason.splitlines()[0]}"
+        if request is not None:
+            request.note = "validated" if reason is None else f"rejected: {reason.splitlines()[0]}"
         if reason is None:
-            self.edited += 1
-            return [(section, _trim_blank_lines(result))]
-        where = f"{self.shown}: {section.lines}"
+            self.edited[job.shown] += 1
+            job.pieces = [(section, _trim_blank_lines(result))]
+            return []
+        where = f"{job.shown}: {section.lines}"
         if self.instruction is not None:
             if not self.keep_going:
                 raise _Failed(f"{where}: {reason}\n  nothing was written (--keep-going keeps such a section as it "
                               "was)", EXIT_REJECTED)
-        elif depth < 3:
+        elif job.depth < 3:
             parts = self._parts(section)
             if parts:
-                out = []
                 for part in parts:
                     if not part.edit:
-                        out.append((part, None))
+                        job.pieces.append((part, None))
                         continue
                     n = self.engine.count_tokens(part.text)
-                    part_budget = self.max_new_tokens or math.ceil(1.5 * n) + 32
-                    out += self.edit(part, part_budget, depth + 1)
-                return out
-        self.edited += 1
-        self.kept += 1
+                    budget = self.max_new_tokens or math.ceil(1.5 * n) + 32
+                    job.pieces.append(_Job(part, budget, job.shown, job.depth + 1))
+                return [piece for piece in job.pieces if isinstance(piece, _Job)]
+        self.edited[job.shown] += 1
+        self.kept[job.shown] += 1
         self.say(f"{where}: kept unchanged: {reason}")
-        return [(section, None)]
+        job.pieces = [(section, None)]
+        return []
 
     def _parts(self, section: Section) -> List[Section]:
         """``section`` cut one level finer, placed in the file; empty when it cannot be cut."""
@@ -955,15 +1056,19 @@ def main():
 
 
 @main.command(epilog=EXIT_CODES_HELP)
-@click.argument("file", type=click.Path(path_type=Path))
+@click.argument("files", metavar="FILE...", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--instruction", "-i", metavar="TEXT", help="The edit to make, e.g. \"change the port to 9090\". "
               "Without it the file is reformatted, keeping every key, value and comment.")
 @click.option("--to", "to", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True,
               help="Output format. The model always works on YAML (it is far more reliable there); JSON is "
                    "written from the validated result.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), metavar="OUT",
-              help="Write the result to OUT instead of stdout.")
+              help="Write the result to OUT instead of stdout; with several files, OUT is a folder that gets "
+                   "each result under its file's name.")
 @click.option("--in-place", is_flag=True, help="Replace FILE atomically, keeping the original as FILE.bak.")
+@click.option("--batch", type=click.IntRange(min=1, max=64), default=DEFAULT_BATCH, show_default=True,
+              metavar="N", help="Sections (of all files) the model works on together in one batch; 1 turns "
+                               "batching off. Outputs do not depend on it, only speed does.")
 @click.option("--model", "model_name", metavar="NAME_OR_PATH", default=None,
               help="Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct (offline).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), metavar="N", default=None,
@@ -979,7 +1084,7 @@ def main():
               help="Also write an HTML trace of the model's work, one block per section: accepted draft tokens "
                    "green, the first rejected one red, the model's own tokens plain. Written when the result "
                    "validated and when it was rejected (to see why).")
-def reformat(file: Path, instruction, to, output, in_place, model_name, max_new_tokens, no_lookup, compare,
+def reformat(files, instruction, to, output, in_place, batch, model_name, max_new_tokens, no_lookup, compare,
              keep_going, quiet, trace_path):
     """Reformat or edit the YAML file FILE with a local model, validating what it writes.
 
@@ -988,12 +1093,16 @@ def reformat(file: Path, instruction, to, output, in_place, model_name, max_new_
     the edit is applied and the result must parse. Nothing is written unless the result validated: it goes to
     stdout, to OUT with -o, or replaces FILE with --in-place.
 
+    Several files are edited together, their sections batched, and need --in-place or -o FOLDER; each file is
+    validated and written on its own, and the exit code is 1 if any was rejected.
+
     \b
     Examples:
       lookupdec reformat examples/configs/service.yaml
       lookupdec reformat service.yaml -i "change the server port to 9090" --in-place
       lookupdec reformat service.yaml --to json -o service.json
       lookupdec reformat service.yaml --trace trace.html -o /dev/null
+      lookupdec reformat a.yaml b.yaml c.yaml --in-place
     """
     if output is not None and in_place:
         raise click.UsageError("use either -o/--output or --in-place, not both")
@@ -1003,11 +1112,18 @@ def reformat(file: Path, instruction, to, output, in_place, model_name, max_new_
         raise click.UsageError("--instruction is empty")
     if trace_path is not None and no_lookup:
         raise click.UsageError("--trace records lookup decoding's passes; drop --no-lookup")
+    if len(files) > 1 and output is None and not in_place:
+        raise click.UsageError("several files need --in-place or -o FOLDER")
+    if len(files) > 1 and output is not None and not output.is_dir():
+        raise click.UsageError(f"-o {click.format_filename(str(output))}: with several files, -o names an "
+                               "existing folder")
+    if len(set(os.path.realpath(f) for f in files)) < len(files):
+        raise click.UsageError("a file is named twice")
     say = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
-    trace = _Trace(trace_path, file) if trace_path is not None else None
+    trace = _Trace(trace_path, files) if trace_path is not None else None
     try:
-        _reformat(file, instruction, to, output, in_place, model_name, max_new_tokens, no_lookup, compare,
-                  keep_going, quiet, say, trace)
+        _reformat(files, instruction, to, output, in_place, model_name, max_new_tokens, no_lookup, compare,
+                  keep_going, quiet, say, trace, batch)
     except _Failed as err:
         if trace is not None and err.code == EXIT_REJECTED:
             try:
@@ -1021,26 +1137,54 @@ def reformat(file: Path, instruction, to, output, in_place, model_name, max_new_
         raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
-def _reformat(file: Path, instruction, to, output, in_place, model_name, max_new_tokens, no_lookup, compare,
-              keep_going, quiet, say, trace: _Trace | None = None) -> None:
-    shown = click.format_filename(str(file))
+@dataclass
+class _File:
+    """One input file through the run: what was read, where the result goes, and its sections' jobs."""
+
+    path: Path
+    shown: str
+    output: Optional[Path]
+    text: str = ""
+    original: list = None
+    converted: Optional[str] = None
+    plan: Optional[Plan] = None
+    pieces: list = None  # (Section, None) for sections copied through, _Job for the others, in file order
+
+
+def _read_file(file: Path, to, output: Optional[Path], in_place: bool) -> _File:
+    """Read and check one input (InputError on a problem), before any model is loaded."""
+    run = _File(file, click.format_filename(str(file)), output)
+    run.text = read_input(file)
     try:
-        text = read_input(file)
+        run.original = load_yaml_documents(run.text)
+    except yaml.YAMLError as err:
+        raise InputError(f"{run.shown}: invalid YAML at {yaml_error(err)}") from None
+    if to == "json":
+        if len(run.original) != 1:
+            raise InputError(f"{run.shown}: holds {len(run.original)} YAML documents; JSON output needs exactly one")
         try:
-            original = load_yaml_documents(text)
-        except yaml.YAMLError as err:
-            raise InputError(f"{shown}: invalid YAML at {yaml_error(err)}") from None
-        if to == "json":
-            if len(original) != 1:
-                raise InputError(f"{shown}: holds {len(original)} YAML documents; JSON output needs exactly one")
-            try:
-                converted = to_json(original[0])
-            except ValueError as err:
-                raise InputError(f"{shown}: {err}") from None
-        if output is not None:
-            _check_writable(output)
-        if in_place:
-            _check_writable(file)
+            run.converted = to_json(run.original[0])
+        except ValueError as err:
+            raise InputError(f"{run.shown}: {err}") from None
+    if output is not None:
+        _check_writable(output)
+    if in_place:
+        _check_writable(file)
+    return run
+
+
+def _output_for(file: Path, output: Optional[Path], several: bool, to) -> Optional[Path]:
+    if output is None or not several:
+        return output
+    name = Path(file).with_suffix(".json").name if to == "json" else Path(file).name
+    return output / name
+
+
+def _reformat(files, instruction, to, output, in_place, model_name, max_new_tokens, no_lookup, compare,
+              keep_going, quiet, say, trace: _Trace | None = None, batch: int = DEFAULT_BATCH) -> None:
+    several = len(files) > 1
+    try:
+        runs = [_read_file(f, to, _output_for(f, output, several, to), in_place) for f in files]
         if trace is not None:
             _check_writable(trace.path)
     except InputError as err:
@@ -1048,47 +1192,91 @@ def _reformat(file: Path, instruction, to, output, in_place, model_name, max_new
 
     if to == "json" and instruction is None:
         # Converting validated data needs no model: json.dumps is exact, and the model gets JSON wrong.
-        where = _write(converted, file, output, in_place)
-        say("reformat: converted to JSON without the model (nothing for it to do: the data stays as it is)")
-        if where:
-            say(where)
+        for run in runs:
+            where = _write(run.converted, run.path, run.output, in_place)
+            say(f"{run.shown}: converted to JSON without the model (nothing for it to do: the data stays as it is)"
+                if several else
+                "reformat: converted to JSON without the model (nothing for it to do: the data stays as it is)")
+            if where:
+                say(where)
         return
 
     from lookupdec.models import ModelLoadError
 
     try:
         engine = _open_engine(model_name, progress=not quiet)
-        plan = plan_sections(text, engine, instruction, max_new_tokens, shown)
+        for run in runs:
+            run.plan = plan_sections(run.text, engine, instruction, max_new_tokens, run.shown)
     except (ModelLoadError, InputError) as err:
         raise _Failed(str(err), EXIT_USAGE) from None
 
     # About one token per token of a section, plus the closing fence.
-    progress = TokenProgress(total=sum(n + 2 for n, s in zip(plan.sizes, plan.sections, strict=True) if s.edit),
+    progress = TokenProgress(total=sum(n + 2 for run in runs for n, s in zip(run.plan.sizes, run.plan.sections,
+                                                                              strict=True) if s.edit),
                              enabled=not quiet)
     editor = _Editor(engine, instruction, "plain" if no_lookup else "lookup", progress, keep_going, max_new_tokens,
-                     shown, (lambda line: None) if quiet else progress.write,
-                     trace.start(engine.tokenizer) if trace is not None else None)
-    pieces: List[tuple] = []  # (Section, result or None), in file order
+                     (lambda line: None) if quiet else progress.write,
+                     trace.start(engine.tokenizer) if trace is not None else None, batch=batch)
+    jobs = []
+    for run in runs:
+        run.pieces = [_Job(section, budget, run.shown) if section.edit else (section, None)
+                      for section, budget in zip(run.plan.sections, run.plan.budgets, strict=True)]
+        jobs += [piece for piece in run.pieces if isinstance(piece, _Job)]
     started = time.perf_counter()
     try:
-        for section, budget in zip(plan.sections, plan.budgets, strict=True):
-            pieces += editor.edit(section, budget) if section.edit else [(section, None)]
+        editor.run(jobs)
     finally:
         progress.close()
     seconds = time.perf_counter() - started
-    edited, kept = editor.edited, editor.kept
-    if kept == edited:
+
+    failures, written = [], []
+    for run in runs:
+        try:
+            result_text, docs = _finish_file(run, editor, instruction, to)
+        except _Failed as err:
+            if not several:
+                raise
+            failures.append(err)
+            continue
+        written.append((run, _write(result_text, run.path, run.output, in_place), docs))
+    tokens, passes = progress.tokens, progress.passes
+    edited, kept = sum(editor.edited.values()), sum(editor.kept.values())
+    say(f"reformat: {tokens} new tokens, {passes} target passes, {tokens / max(passes, 1):.2f} tokens/pass, "
+        f"{seconds:.1f} s ({edited} section{'s' * (edited != 1)}, {kept} kept unchanged)")
+    for run, where, docs in written:
+        if instruction is not None:
+            for line in describe_edit(run.original, docs):
+                say(f"{run.shown}: {line}" if several else line)
+    if compare:
+        _compare(engine, editor.completions, say)
+    for run, where, docs in written:
+        if where:
+            say(where)
+    if trace is not None:
+        trace.save(say)
+    if failures:
+        for err in failures:
+            click.echo(f"error: {err}", err=True)
+        raise _Failed(f"{len(failures)} of {len(runs)} files rejected; the others were written", EXIT_REJECTED)
+
+
+def _finish_file(run: _File, editor: _Editor, instruction, to) -> tuple:
+    """The validated result text of one file and its data; _Failed (exit 1) when it did not validate."""
+    shown = run.shown
+    if editor.kept[shown] == editor.edited[shown]:
         raise _Failed(f"{shown}: the model's output was rejected for every section; nothing was written",
                       EXIT_REJECTED)
-
+    pieces = []
+    for piece in run.pieces:
+        pieces += piece.flat() if isinstance(piece, _Job) else [piece]
     result_text = join_sections([p[0] for p in pieces], [p[1] for p in pieces])
     try:
         docs = load_yaml_documents(result_text)
     except yaml.YAMLError as err:  # every section parsed, so the join is at fault; never write it
         raise _Failed(f"{shown}: the joined result is not valid YAML ({yaml_error(err)})\n"
-                      f"  first differing line: {first_difference(text, result_text)}", EXIT_REJECTED) from None
-    if instruction is None and docs != original:
-        changes = data_changes(original, docs)
+                      f"  first differing line: {first_difference(run.text, result_text)}", EXIT_REJECTED) from None
+    if instruction is None and docs != run.original:
+        changes = data_changes(run.original, docs)
         raise _Failed(f"{shown}: the joined result changes the data\n  first change: "
                       f"{changes[0] if changes else 'a value changed type'}", EXIT_REJECTED)
     if to == "json":
@@ -1096,20 +1284,7 @@ def _reformat(file: Path, instruction, to, output, in_place, model_name, max_new
             result_text = to_json(docs[0])
         except ValueError as err:
             raise _Failed(f"{shown}: the edited data cannot be written as JSON: {err}", EXIT_REJECTED) from None
-
-    where = _write(result_text, file, output, in_place)
-    tokens, passes = progress.tokens, progress.passes
-    say(f"reformat: {tokens} new tokens, {passes} target passes, {tokens / max(passes, 1):.2f} tokens/pass, "
-        f"{seconds:.1f} s ({edited} section{'s' * (edited != 1)}, {kept} kept unchanged)")
-    if instruction is not None:
-        for line in describe_edit(original, docs):
-            say(line)
-    if compare:
-        _compare(engine, editor.completions, say)
-    if where:
-        say(where)
-    if trace is not None:
-        trace.save(say)
+    return result_text, docs
 
 
 class _Trace:
@@ -1117,9 +1292,9 @@ class _Trace:
     and where its HTML goes. Written when the run ends with a result or a rejection, not on an input error or
     Ctrl-C (nothing to see, or half a run)."""
 
-    def __init__(self, path: Path, file: Path):
+    def __init__(self, path: Path, files: Sequence[Path]):
         self.path = path
-        self.title = f"lookupdec reformat {click.format_filename(str(file))}"
+        self.title = "lookupdec reformat " + " ".join(click.format_filename(str(f)) for f in files)
         self.recorder = None
 
     def start(self, tokenizer):

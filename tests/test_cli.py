@@ -816,3 +816,99 @@ def test_model_writes_a_trace(here, real):
     assert text.startswith(result.stdout) and text[len(result.stdout):].startswith("```")
     assert '<span class="ld-rej">8</span>' in page  # the old port was drafted and rejected at the edit
     assert leftovers(here) == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Several files, batches
+
+
+def test_several_files_need_in_place_or_a_folder(here, stub):
+    shutil.copy(here / "service.yaml", here / "other.yaml")
+    result = run("reformat", "service.yaml", "other.yaml")
+    assert result.exit_code == 2
+    assert "several files need --in-place or -o FOLDER" in result.stderr
+    result = run("reformat", "service.yaml", "other.yaml", "-o", "missing")
+    assert result.exit_code == 2
+    assert "-o names an existing folder" in result.stderr
+    result = run("reformat", "service.yaml", "./service.yaml", "--in-place")
+    assert result.exit_code == 2
+    assert "named twice" in result.stderr
+    assert stub.sections == []  # refused before any model work
+
+
+def test_several_files_in_place_and_into_a_folder(here, stub):
+    shutil.copy(CONFIGS / "dependabot.yml", here / "dependabot.yml")
+    result = run("reformat", "service.yaml", "dependabot.yml", "--in-place")
+    assert result.exit_code == 0, result.stderr
+    for name in ("service.yaml", "dependabot.yml"):
+        assert (here / f"{name}.bak").exists()
+        assert yaml.safe_load((here / name).read_text()) == yaml.safe_load((here / f"{name}.bak").read_text())
+    (here / "out").mkdir()
+    result = run("reformat", "service.yaml.bak", "dependabot.yml.bak", "-o", "out", "--to", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((here / "out" / "service.yaml.json").read_text()) == yaml.safe_load(SERVICE)
+    assert sorted(p.name for p in (here / "out").iterdir()) == ["dependabot.yml.json", "service.yaml.json"]
+
+
+def test_one_rejected_file_of_several_exits_1_and_the_others_are_written(here, stub):
+    (here / "bad.yaml").write_text("alpha: 1\nbeta: 2\n")
+    stub.answer = lambda section, prompt: section.replace(": 1", ": 7").replace(": 2", ": 8")
+    result = run("reformat", "service.yaml", "bad.yaml", "--in-place")
+    assert result.exit_code == 1
+    assert "bad.yaml: the model's output was rejected for every section; nothing was written" in result.stderr
+    assert "1 of 2 files rejected; the others were written" in result.stderr
+    assert (here / "bad.yaml").read_text() == "alpha: 1\nbeta: 2\n" and not (here / "bad.yaml.bak").exists()
+    assert (here / "service.yaml.bak").exists()
+
+
+def test_fence_stop_ignores_the_opening_fence_and_stops_at_the_closing_one():
+    class Tok:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    import torch
+
+    def ids(text):
+        return torch.tensor([[ord(c) for c in text]])
+
+    stop = cli._FenceStop(Tok())
+    assert not bool(stop(ids("x\n```y"))[0])  # the last 4 characters: "```y", an opening fence
+    assert not bool(stop(ids("a: 1\n"))[0])
+    assert bool(stop(ids("a: 1\n```"))[0])
+    assert bool(stop(ids("1\n```\n"))[0])
+    two = torch.cat([ids("```yaml"), ids("abc\n```")])
+    assert stop(two).tolist() == [False, True]
+
+
+@pytest.mark.slow
+def test_model_batches_give_the_same_files_as_one_section_at_a_time(here, real):
+    # The CI workflow has 14 sections (some retried in parts): batching them changes speed, not results.
+    names = ["ci-workflow.yml", "codecov.yml"]
+    for name in names:
+        shutil.copy(CONFIGS / name, here / name)
+    (here / "one").mkdir()
+    (here / "four").mkdir()
+    first = run("reformat", *names, "-o", "one", "--batch", "1")
+    second = run("reformat", *names, "-o", "four", "--batch", "4")
+    assert first.exit_code == second.exit_code == 0, (first.stderr, second.stderr)
+    for name in names:
+        assert (here / "one" / name).read_text() == (here / "four" / name).read_text()
+        assert yaml.safe_load((here / "four" / name).read_text()) == yaml.safe_load((CONFIGS / name).read_text())
+    assert summary(second.stderr)[3:] == summary(first.stderr)[3:]  # same sections, same kept
+    assert summary(second.stderr)[1] < summary(first.stderr)[1]  # fewer target passes: rows share them
+
+
+@pytest.mark.slow
+def test_engine_batch_answers_equal_single_answers(real):
+    model, tokenizer = real
+    engine = cli.ModelEngine(model, tokenizer)
+    sections = ["server:\n  host: 0.0.0.0\n  port: 8080\n", "logging:\n  level: info\n  format: json\n",
+                "features:\n  - search\n  - export\n  - audit\n"]
+    prompts = [cli.build_prompt(s, None) for s in sections]
+    budgets = [40, 6, 60]  # the 6-token row stops on its budget while the others go on
+    many = engine.complete_many(prompts, budgets)
+    for prompt, budget, got in zip(prompts, budgets, many):
+        alone = engine.complete(prompt, budget)
+        assert got.token_ids == alone.token_ids
+        assert got.answer == alone.answer
+    assert len(many[1].token_ids) == 6
