@@ -385,7 +385,7 @@ class DraftSession:
         index = self.index
         if self._cursor >= 0:
             shared = index.match_length(self._cursor, 32)
-            return _bucket("cursor", shared), self._cursor, index.continuation(self._cursor, limit)
+            return _bucket("cursor", shared), self._cursor, self._copy(self._cursor, limit)
         n, src = index.match()
         shared = index.match_length(src, 32) if n else 0
         cache = self._drafter.cache
@@ -396,7 +396,17 @@ class DraftSession:
                 return ("cache", min(n_cache, 4)), -1, cached
         if n == 0:
             return None, -1, EMPTY
-        return _bucket("index", shared), src, index.continuation(src, limit)
+        return _bucket("index", shared), src, self._copy(src, limit)
+
+    def _copy(self, src: int, limit: int) -> np.ndarray:
+        """Up to ``limit`` tokens copied from ``src``. A copy that runs into the present (the source is the text
+        just written: the model is repeating itself with period ``len - src``) goes on repeating that period, as
+        an LZ77 copy overlapping its own output does; otherwise a draft in a loop could never be longer than
+        the loop."""
+        copied = self.index.continuation(src, limit)
+        if 0 < copied.size < limit and src + copied.size == len(self.index):
+            copied = np.resize(copied, limit)
+        return copied
 
     def _clip(self, candidate: np.ndarray) -> np.ndarray:
         """A draft never crosses a reference separator, and never runs past an EOS token."""

@@ -215,7 +215,7 @@ def test_offer_then_take_is_propose_with_a_chosen_length():
     drafter = LookupDrafter(use_cache=False)
     session = drafter.start([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
     offer = session.offer(10)
-    assert offer.tokens.tolist() == [4, 5, 6, 7, 8, 1, 2, 3]
+    assert offer.tokens.tolist() == [4, 5, 6, 7, 8, 1, 2, 3, 4, 5]  # the copy reaches the present: it repeats
     assert 0 < offer.first < 1 and 0 < offer.then < 1
     assert session.take(3).tolist() == [4, 5, 6]
     session.commit([4, 5, 6, 7], accepted=3)  # all 3 accepted: the cursor follows the copy
@@ -229,3 +229,14 @@ def test_batch_cost_is_per_batch_size_and_the_single_cost_for_one_row():
     four, eight = drafter.batch_cost(4), drafter.batch_cost(8)
     assert four is drafter.batch_cost(4) and four is not eight
     assert four.relative()[1] < eight.relative()[1]  # priors: a drafted position costs more in a bigger batch
+
+
+def test_a_copy_that_reaches_the_present_repeats_its_period():
+    # The model is looping ("7 8 9" over and over): the most recent earlier occurrence continues into the text just
+    # written, so the draft keeps repeating the period instead of stopping after one loop.
+    drafter = LookupDrafter(adaptive=False, use_cache=False)
+    session = drafter.start([5, 7, 8, 9, 7, 8, 9, 7, 8])
+    assert session.propose(10).tolist() == [9, 7, 8, 9, 7, 8, 9, 7, 8, 9]
+    # Any copy cut short by the end of the text runs into the present; its period is the distance back.
+    session = drafter.start([1, 2, 3, 4, 9, 9, 1, 2])
+    assert session.propose(10).tolist() == [3, 4, 9, 9, 1, 2, 3, 4, 9, 9]
