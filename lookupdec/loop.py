@@ -11,6 +11,27 @@ the first token is computed identically.
 Model-agnostic: it needs a transformers causal LM whose cache can be cropped (``DynamicCache``), and nothing
 about its architecture. Sliding-window layers keep their past while a draft is pending (transformers'
 ``activate_past_recording``), so cropping restores them too.
+
+Batches (``input_ids`` [B, L], left-padded, with ``attention_mask``). One target pass per step serves every row.
+Each row drafts from its own session; the batch picks one draft length (``best_batch_length``: the pass is as
+wide as its longest draft, so every row may fill that width) and shorter drafts are padded with masked filler.
+Rows accept different numbers of tokens, and ``DynamicCache`` appends the same number of slots to every row, so
+the cache keeps, per step, as many new slots as the row that accepted most needs; the other rows' extra slots
+stay behind as *holes*, masked out in the 2-D attention mask, and each row's ``position_ids`` count only its real
+tokens, so a row sees exactly the keys, at exactly the positions, it would see alone::
+
+    slot:        0  1  2  3  4  5  6  7
+    row 0:       .  p  p  p  l  a  a  l'    . = left padding or a hole (masked out)
+    row 1:       p  p  p  p  l  .  .  l'    p = prompt, a = accepted draft, l = a step's last token
+
+    (step 1 fed [l, x0, x1, x2] at slots 4-7 for both rows; row 0 accepted 2 drafted tokens, row 1 none. Slots
+    4-6 were kept, slot 7 was dropped, and row 1's slots 5-6 became holes; step 2 starts at slot 7.)
+
+Holes are squeezed out (``_compact``: a gather that moves each row's tokens to the right end) once they outnumber
+the real tokens, so memory stays proportional to the longest row. Finished rows (EOS, budget, stopping criteria)
+leave the batch (``batch_select_indices``) and cost nothing more. Sliding-window models are refused for batches:
+a window counts slots, and holes would shrink it. Per row, outputs are token-identical to single-sequence
+generation, and sampling uses the exact rule per row (one generator, drawn row after row: independent draws).
 """
 
 from __future__ import annotations
@@ -98,6 +119,12 @@ def generate(
     Greedy output is token-identical to plain greedy decoding; sampled output follows exactly the distribution of
     plain sampling with the same processors and warpers (temperature, top-k, top-p, penalties, ...). Pass a
     ``torch.Generator`` for reproducible sampling. ``tokenizer`` is only needed for ``stop_strings``.
+
+    Batches: a left-padded ``input_ids`` [B, L] with its ``attention_mask`` runs one target pass per step for all
+    rows (see the module docstring); each row's output equals what the row alone would give. ``.sequences`` is
+    padded like ``model.generate``'s (rows that finished early get the pad token), and ``.stats`` holds the totals
+    with each row's own figures in ``.stats.rows``. A streamer needs a batch of one; ``trace`` takes one recorder
+    per row (a list).
     ``trace`` (e.g. a :class:`lookupdec.trace.TraceRecorder`) is told about every target pass: its
     ``start(prompt)`` gets the prompt's token ids, then ``step(draft, accepted, token, kept, seconds)`` runs once
     per pass, the prefill first (empty draft); ``kept`` is how many of the pass's ``accepted + 1`` tokens were
