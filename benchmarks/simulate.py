@@ -324,10 +324,10 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--ablate", action="store_true",
                     help="switch each drafting mechanism off in turn; replays cached greedy outputs only")
-    ap.add_argument("--ablate-out", type=Path, default=Path("/tmp/ablate/ablation.md"))
+    ap.add_argument("--ablate-out", type=Path, default=Path("benchmarks/results/ablation.md"))
     ap.add_argument("--trees", action="store_true",
                     help="study token-tree drafts (2-3 branches per pass); replays cached greedy outputs only")
-    ap.add_argument("--trees-out", type=Path, default=Path("/tmp/ablate/trees.md"))
+    ap.add_argument("--trees-out", type=Path, default=Path("benchmarks/results/trees.md"))
     args = ap.parse_args(argv)
     if args.quick:
         args.per_suite = 2
