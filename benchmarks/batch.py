@@ -79,7 +79,7 @@ def run_batches(model, tokenizer, prompts, sizes, args, encode) -> dict:
                             plain = model.generate(ids, attention_mask=mask, **kw)
                         else:
                             widths = _WidthLog(model)
-                            res = lookupdec.generate(model, ids, mask, drafter=LookupDrafter(), **kw)
+                            res = lookupdec.generate(model, ids, mask, drafter=LookupDrafter(**args.drafter), **kw)
                             widths.close()
                         times[system].append(time.perf_counter() - t0)
             got = _new_tokens(res.sequences, ids.shape[1], eos, pad)

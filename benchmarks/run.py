@@ -121,9 +121,9 @@ def run_system(system, model, ids, args, counter, answer, pld):
             out = model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=pld[0],
                                  max_matching_ngram_size=pld[1], **kw)
         elif system == "lookupdec_hf":
-            out = model.generate(ids, attention_mask=mask, assistant_model=LookupDrafter(), **kw)
+            out = model.generate(ids, attention_mask=mask, assistant_model=LookupDrafter(**args.drafter), **kw)
         else:
-            drafter = OracleDrafter(answer) if system == "oracle" else LookupDrafter()
+            drafter = OracleDrafter(answer) if system == "oracle" else LookupDrafter(**args.drafter)
             gen = torch.Generator().manual_seed(args.seed) if args.sample else None
             res = lookupdec.generate(model, ids, attention_mask=mask, drafter=drafter, generator=gen, **kw)
             out, stats = res.sequences, res.stats
@@ -177,7 +177,10 @@ def summarize(records, systems):
     """Per prompt: median time per system and the ratios; per suite: medians of the per-prompt ratios."""
     rows = []
     for rec in records:
-        med = {s: statistics.median(r["seconds"] for r in rec["runs"] if r["system"] == s) for s in systems}
+        # Seconds per new token: under greedy every system writes the same tokens, so this is the time ratio; under
+        # sampling each system draws its own text, of its own length.
+        med = {s: statistics.median(r["seconds"] / max(r["new_tokens"], 1) for r in rec["runs"] if r["system"] == s)
+               for s in systems}
         one = {s: next(r for r in rec["runs"] if r["system"] == s) for s in systems}
         row = {"suite": rec["suite"], "name": rec["name"], "new_tokens": one["greedy"]["new_tokens"]}
         for s in systems:
@@ -306,8 +309,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
                     help="batch mode: plain batched greedy vs lookupdec at these batch sizes, on the copy-heavy "
                          "prompts (see benchmarks/batch.py); writes batch.json / batch.md")
+    ap.add_argument("--drafter", nargs="+", default=[], metavar="FIELD=VALUE",
+                    help="DrafterConfig fields for lookupdec's systems, e.g. --drafter min_n=3 cursor=false "
+                         "(ablations on the clock)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
+    args.drafter = dict(_config_field(item) for item in args.drafter)
     if args.report:
         return report(args.report)
     if args.threads:
@@ -320,6 +327,10 @@ def main(argv=None):
     args.max_new_tokens = args.max_new_tokens or 256
     args.reps = args.reps or 2
     systems = [s for s in SYSTEMS if s in args.systems or s == "greedy"]
+    if args.sample and "oracle" in systems:
+        # A sampled output is not known in advance, so there is nothing for an oracle to draft.
+        print("--sample: no oracle (sampled outputs are not known in advance)", file=sys.stderr)
+        systems.remove("oracle")
     args.out.mkdir(parents=True, exist_ok=True)
 
     from tqdm import tqdm
@@ -369,11 +380,25 @@ def main(argv=None):
         "mode": "sampling T=0.7" if args.sample else "greedy", "max_new_tokens": args.max_new_tokens,
         "reps": args.reps, "pld_tuned": list(pld), "seconds": round(time.perf_counter() - started, 1),
         "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "drafter": args.drafter,
     }
     meta["systems"] = systems
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     report(args.out / "results.json")
     print(f"total {meta['seconds']}s; results in {args.out}", file=sys.stderr)
+
+
+def _config_field(item: str) -> tuple:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--drafter {item}: expected FIELD=VALUE")
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return key, lowered == "true"
+    try:
+        return key, int(value)
+    except ValueError:
+        raise SystemExit(f"--drafter {item}: VALUE must be an integer, true or false") from None
 
 
 def batch_mode(model, tokenizer, args):
