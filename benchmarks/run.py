@@ -44,10 +44,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lookupdec  # noqa: E402
-from lookupdec import LookupDrafter  # noqa: E402
-from lookupdec.models import load_model  # noqa: E402
-from workloads import COPY_HEAVY, SUITES  # noqa: E402
+from workloads import COPY_HEAVY, SUITES
+
+import lookupdec
+from lookupdec import LookupDrafter
+from lookupdec.models import load_model
 
 SYSTEMS = ("greedy", "pld", "pld_tuned", "lookupdec", "lookupdec_hf", "oracle")
 

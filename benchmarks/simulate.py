@@ -32,10 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lookupdec import LookupDrafter  # noqa: E402
-from lookupdec.models import load_model  # noqa: E402
-from run import encode, pick_prompts  # noqa: E402
-from workloads import SUITES  # noqa: E402
+from run import encode, pick_prompts
+from workloads import SUITES
+
+from lookupdec import LookupDrafter
+from lookupdec.models import load_model
 
 
 def cpu_cost(d: int) -> float:
@@ -339,7 +340,7 @@ def main(argv=None):
         print("measured relative pass cost:", {d: round(c, 2) for d, c in table.items()})
         ds = sorted(table)
 
-        def cost(d):  # noqa: F811 - piecewise-linear interpolation of the measured table
+        def cost(d):
             return float(np.interp(d, ds, [table[x] for x in ds]))
 
     cache_file = args.out / f"greedy_{(args.model or 'smollm2').replace('/', '_')}_{args.max_new_tokens}.json"

@@ -92,7 +92,7 @@ def code_suite() -> list:
 
 
 def _a_local_name(source: str):
-    names = re.findall(r"^\s+([a-z_][a-z0-9_]*) = ", source, flags=re.M)
+    names = re.findall(r"^\s+([a-z_][a-z0-9_]*) = ", source, flags=re.MULTILINE)
     return names[0] if names else None
 
 

@@ -308,7 +308,7 @@ class RollingCache:
             raise
 
     @classmethod
-    def load(cls, path, *, strict: bool = False) -> "RollingCache":
+    def load(cls, path, *, strict: bool = False) -> RollingCache:
         """Read a file written by :meth:`save`.
 
         A missing, unreadable, corrupt or incompatible file raises :class:`CacheFileError` (one line, naming the file

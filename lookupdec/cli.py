@@ -49,9 +49,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any
 
 import click
 import yaml
@@ -162,7 +163,7 @@ _KEY_HEADER = re.compile(r"^[A-Za-z0-9_\"'][^#&*!|>{}\[\]]*:[ \t]*(#.*)?$")  # `
 
 
 def split_sections(text: str, too_big: Callable[[str], bool],
-                   joinable: Optional[Callable[[str], bool]] = None) -> List[Section]:
+                   joinable: Callable[[str], bool] | None = None) -> list[Section]:
     """Cut ``text`` into sections that can be edited independently and joined back in order.
 
     Documents are split at ``---`` / ``...`` lines (kept as they are). A document that is not ``joinable``
@@ -182,9 +183,9 @@ def split_sections(text: str, too_big: Callable[[str], bool],
     if any(ln.startswith(("%", "--- ", "---\t")) and not _DOC_MARKER.match(ln.rstrip("\n")) for ln in lines):
         return _whole(lines, 1, "")  # directives or content on a '---' line: not worth a special case
     if joinable is None:
-        joinable = lambda t: not too_big(t)  # noqa: E731
-    out: List[Section] = []
-    doc: List[str] = []
+        joinable = lambda t: not too_big(t)
+    out: list[Section] = []
+    doc: list[str] = []
     doc_start = 1
     for no, ln in enumerate(lines, 1):
         if _DOC_MARKER.match(ln.rstrip("\n")):
@@ -197,7 +198,7 @@ def split_sections(text: str, too_big: Callable[[str], bool],
     return out
 
 
-def _whole(lines: Sequence[str], first: int, indent: str) -> List[Section]:
+def _whole(lines: Sequence[str], first: int, indent: str) -> list[Section]:
     """``lines`` as one editable section, with leading and trailing blank lines kept apart as they are."""
     start, end = 0, len(lines)
     while start < end and not lines[start].strip():
@@ -233,7 +234,7 @@ def _has_content(text: str) -> bool:
     return any(ln.strip() and not ln.lstrip().startswith("#") for ln in text.splitlines())
 
 
-def _blocks(lines: Sequence[str]) -> List[tuple]:
+def _blocks(lines: Sequence[str]) -> list[tuple]:
     """Top-level pieces of a document as ``(start index, lines, is_block)``: blocks, and runs of blank lines
     between them. Comments directly above a block belong to it; those after the last block stand alone."""
     first = next((ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")), None)
@@ -246,10 +247,10 @@ def _blocks(lines: Sequence[str]) -> List[tuple]:
             return False
         return ln.startswith("-") if sequence else not ln.startswith("-")  # `key:` then `- item` at column 0
 
-    pieces: List[tuple] = []
-    cur: List[str] = []
+    pieces: list[tuple] = []
+    cur: list[str] = []
     cur_start = 0
-    pending: List[str] = []  # blank and comment lines not yet known to belong inside or above a block
+    pending: list[str] = []  # blank and comment lines not yet known to belong inside or above a block
     for i, ln in enumerate(lines):
         if not ln.strip() or ln.lstrip().startswith("#"):
             pending.append(ln)
@@ -274,7 +275,7 @@ def _blocks(lines: Sequence[str]) -> List[tuple]:
 
 
 def _split_document(lines: Sequence[str], first: int, indent: str, too_big: Callable[[str], bool],
-                    joinable: Callable[[str], bool]) -> List[Section]:
+                    joinable: Callable[[str], bool]) -> list[Section]:
     text = "".join(lines)
     if not text.strip():
         return [Section(text, indent, first, edit=False)] if text else []
@@ -284,10 +285,10 @@ def _split_document(lines: Sequence[str], first: int, indent: str, too_big: Call
     blocks = ["".join(ls) for _, ls, is_block in pieces if is_block]
     if not blocks or len(blocks) > 1 and not _parts_load_to(text, blocks):
         return _whole(lines, first, indent)
-    out: List[Section] = []
-    group: List[str] = []  # texts of adjacent blocks (and the blank lines between them) edited together
+    out: list[Section] = []
+    group: list[str] = []  # texts of adjacent blocks (and the blank lines between them) edited together
     group_start = 0
-    between: List[tuple] = []  # (start, text) of blank runs after the group, joined with it or kept apart
+    between: list[tuple] = []  # (start, text) of blank runs after the group, joined with it or kept apart
 
     def flush():
         nonlocal group
@@ -323,7 +324,7 @@ def _split_document(lines: Sequence[str], first: int, indent: str, too_big: Call
 
 
 def _split_block(lines: Sequence[str], first: int, indent: str, too_big: Callable[[str], bool],
-                 joinable: Callable[[str], bool]) -> List[Section]:
+                 joinable: Callable[[str], bool]) -> list[Section]:
     """A too-big block: its comments and ``key:`` line as they are, then its children as a document of their own,
     or the block whole when it cannot be cut safely."""
     whole = [Section("".join(lines), indent, first, edit=True)]
@@ -371,7 +372,7 @@ def _parts_load_to(text: str, parts: Sequence[str]) -> bool:
     return False
 
 
-def join_sections(sections: Sequence[Section], results: Sequence[Optional[str]]) -> str:
+def join_sections(sections: Sequence[Section], results: Sequence[str | None]) -> str:
     """The file again: each section's result (or its own text where the result is None), placed at its indent."""
     out = []
     for section, result in zip(sections, results, strict=True):
@@ -399,7 +400,7 @@ class Prompt:
     prefill: str  # the start of the answer, written for the model
 
 
-def build_prompt(section: str, instruction: Optional[str]) -> Prompt:
+def build_prompt(section: str, instruction: str | None) -> Prompt:
     """The chat messages and answer prefill for one section (see the module docstring for why they look so)."""
     fenced = f"```yaml\n{section.rstrip()}\n```\n\n"
     if instruction:
@@ -412,8 +413,8 @@ def build_prompt(section: str, instruction: Optional[str]) -> Prompt:
                   f"```yaml\n{first_line}")
 
 
-_FENCE = re.compile(r"^```[^\n`]*\n(.*?)^[ \t]*```", re.S | re.M)
-_OPEN_FENCE = re.compile(r"^```[^\n`]*\n", re.M)
+_FENCE = re.compile(r"^```[^\n`]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
+_OPEN_FENCE = re.compile(r"^```[^\n`]*\n", re.MULTILINE)
 
 
 def extract_block(answer: str) -> tuple:
@@ -446,7 +447,7 @@ def first_difference(before: str, after: str) -> str:
     return "none (the texts are identical)"
 
 
-def data_changes(old: Any, new: Any, path: str = "") -> List[str]:
+def data_changes(old: Any, new: Any, path: str = "") -> list[str]:
     """What differs between two loaded documents, one short line per change: ``server.port: 8080 -> 9090``,
     ``removed logging.level``, ``added features[3]: 'metrics'``."""
     where = path or "(top level)"
@@ -487,7 +488,7 @@ def _cut(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def check_section(original: str, result: str, instruction: Optional[str]) -> Optional[str]:
+def check_section(original: str, result: str, instruction: str | None) -> str | None:
     """Why ``result`` (the model's YAML for ``original``) is rejected, or None when it validates.
 
     Without an instruction the result must load to the same data as the original; with one it must parse. The
@@ -517,7 +518,7 @@ def check_section(original: str, result: str, instruction: Optional[str]) -> Opt
     return None
 
 
-def comments(text: str) -> List[str]:
+def comments(text: str) -> list[str]:
     """The comments in a YAML text, in order, without their ``#`` and surrounding blanks.
 
     A ``#`` starts a comment at the start of a line or after a blank, outside quotes (a quote opens a scalar
@@ -559,7 +560,7 @@ def write_atomic(path: Path, text: str, *, backup: bool = False) -> None:
     With ``backup``, the old file is first copied (also atomically) to ``path.bak``. A failure or Ctrl-C at any
     point leaves ``path`` as it was and no temporary file behind."""
     folder = path.parent
-    temps: List[str] = []
+    temps: list[str] = []
 
     def temp() -> str:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
@@ -695,7 +696,7 @@ class ModelEngine:
         return torch.cat([ids, prefill], dim=1)
 
     def complete(self, prompt: Prompt, max_new_tokens: int, method: str = "lookup",
-                 streamer: Optional[TokenProgress] = None, drafter=None, trace=None) -> Completion:
+                 streamer: TokenProgress | None = None, drafter=None, trace=None) -> Completion:
         """Greedy answer to ``prompt``, stopping at the closing fence; ``method`` is ``lookup`` (lookupdec, with
         ``drafter`` or the engine's own), ``plain`` (``model.generate``) or ``pld`` (transformers' prompt lookup).
         ``trace`` (a ``TraceRecorder``) records a lookup answer pass by pass."""
@@ -729,7 +730,7 @@ class ModelEngine:
 
 
     def complete_many(self, prompts: Sequence[Prompt], budgets: Sequence[int],
-                      progress: Optional["TokenProgress"] = None, traces=None) -> List[Completion]:
+                      progress: TokenProgress | None = None, traces=None) -> list[Completion]:
         """Greedy lookup answers to several prompts in one batch (``lookupdec.generate`` on left-padded rows);
         each answer is what :meth:`complete` would give for that prompt and budget alone. ``traces``: one
         ``TraceRecorder`` per prompt, or None."""
@@ -798,7 +799,7 @@ class _FenceStop:
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
-def _open_engine(name: Optional[str], progress: bool) -> ModelEngine:
+def _open_engine(name: str | None, progress: bool) -> ModelEngine:
     """Load the model (ModelLoadError on failure) and wrap it; tests replace this with a stub engine."""
     from lookupdec import models
 
@@ -812,12 +813,12 @@ def _open_engine(name: Optional[str], progress: bool) -> ModelEngine:
 
 @dataclass
 class Plan:
-    sections: List[Section]
-    budgets: List[int]  # max new tokens per section (0 for sections copied through)
-    sizes: List[int]  # tokens per section (0 for sections copied through)
+    sections: list[Section]
+    budgets: list[int]  # max new tokens per section (0 for sections copied through)
+    sizes: list[int]  # tokens per section (0 for sections copied through)
 
 
-def plan_sections(text: str, engine, instruction: Optional[str], max_new_tokens: Optional[int],
+def plan_sections(text: str, engine, instruction: str | None, max_new_tokens: int | None,
                   path_shown: str) -> Plan:
     """Split ``text`` for this run and give each section its token budget; InputError when a section cannot be
     made small enough for the model's context or the user's budget.
@@ -834,7 +835,7 @@ def plan_sections(text: str, engine, instruction: Optional[str], max_new_tokens:
         raise InputError(f"--max-new-tokens {max_new_tokens} is too small for any section "
                          f"(it needs at least {BUDGET_MARGIN + 1})")
     target = limit if instruction else min(limit, REFORMAT_SECTION_TOKENS)
-    too_big = lambda t: engine.count_tokens(t) > target  # noqa: E731
+    too_big = lambda t: engine.count_tokens(t) > target
     joinable = None if instruction else (lambda t: flat(t) and not too_big(t))
     sections = split_sections(text, too_big, joinable)
     budgets, sizes = [], []
@@ -875,7 +876,7 @@ class _Job:
         self.section, self.budget, self.shown, self.depth = section, budget, shown, depth
         self.pieces: list = []
 
-    def flat(self) -> List[tuple]:
+    def flat(self) -> list[tuple]:
         out = []
         for piece in self.pieces:
             out += piece.flat() if isinstance(piece, _Job) else [piece]
@@ -898,7 +899,7 @@ class _Editor:
         self.keep_going, self.max_new_tokens, self.say = keep_going, max_new_tokens, say
         self.trace = trace  # a TraceRecorder for --trace, or None
         self.batch = batch
-        self.completions: List[tuple] = []  # (prompt, budget, Completion) of every request, for --compare
+        self.completions: list[tuple] = []  # (prompt, budget, Completion) of every request, for --compare
         self.edited = Counter()  # per file shown: sections whose result is the model's or that were kept
         self.kept = Counter()
 
@@ -914,7 +915,7 @@ class _Editor:
                 following += self._settle(job, done, request)
             queue = following
 
-    def _complete(self, jobs: Sequence[_Job]) -> List[tuple]:
+    def _complete(self, jobs: Sequence[_Job]) -> list[tuple]:
         """``[(Completion, trace request or None), ...]`` for ``jobs``, batched when the engine can."""
         prompts = [build_prompt(job.section.text, self.instruction) for job in jobs]
         recorders = [self._recorder(job) for job in jobs] if self.trace is not None else None
@@ -940,7 +941,7 @@ class _Editor:
         recorder.label = f"{job.shown}: {job.section.lines}"
         return recorder
 
-    def _settle(self, job: _Job, done: Completion, request) -> List[_Job]:
+    def _settle(self, job: _Job, done: Completion, request) -> list[_Job]:
         """Validate ``job``'s answer and set its pieces; returns the jobs of its parts when it is cut finer."""
         section = job.section
         result, closed = extract_block(done.answer)
@@ -974,17 +975,17 @@ class _Editor:
         job.pieces = [(section, None)]
         return []
 
-    def _parts(self, section: Section) -> List[Section]:
+    def _parts(self, section: Section) -> list[Section]:
         """``section`` cut one level finer, placed in the file; empty when it cannot be cut."""
         n = self.engine.count_tokens(section.text)
-        too_big = lambda t: self.engine.count_tokens(t) >= n  # noqa: E731
+        too_big = lambda t: self.engine.count_tokens(t) >= n
         parts = split_sections(section.text, too_big, lambda t: flat(t) and not too_big(t))
         if sum(p.edit for p in parts) < 2:
             return []
         return [Section(p.text, section.indent + p.indent, section.line + p.line - 1, p.edit) for p in parts]
 
 
-def _write(text: str, file: Path, output: Optional[Path], in_place: bool) -> Optional[str]:
+def _write(text: str, file: Path, output: Path | None, in_place: bool) -> str | None:
     """Write the result where it goes; returns the line telling where it went (None for stdout)."""
     if output is not None:
         write_atomic(output, text)
@@ -997,7 +998,7 @@ def _write(text: str, file: Path, output: Optional[Path], in_place: bool) -> Opt
     return None
 
 
-def describe_edit(before: list, after: list) -> List[str]:
+def describe_edit(before: list, after: list) -> list[str]:
     """Lines telling what an instruction changed in the data, so the user sees what the model did."""
     if len(before) == 1 and len(after) == 1:
         changes = data_changes(before[0], after[0])
@@ -1143,15 +1144,15 @@ class _File:
 
     path: Path
     shown: str
-    output: Optional[Path]
+    output: Path | None
     text: str = ""
     original: list = None
-    converted: Optional[str] = None
-    plan: Optional[Plan] = None
+    converted: str | None = None
+    plan: Plan | None = None
     pieces: list = None  # (Section, None) for sections copied through, _Job for the others, in file order
 
 
-def _read_file(file: Path, to, output: Optional[Path], in_place: bool) -> _File:
+def _read_file(file: Path, to, output: Path | None, in_place: bool) -> _File:
     """Read and check one input (InputError on a problem), before any model is loaded."""
     run = _File(file, click.format_filename(str(file)), output)
     run.text = read_input(file)
@@ -1173,7 +1174,7 @@ def _read_file(file: Path, to, output: Optional[Path], in_place: bool) -> _File:
     return run
 
 
-def _output_for(file: Path, output: Optional[Path], several: bool, to) -> Optional[Path]:
+def _output_for(file: Path, output: Path | None, several: bool, to) -> Path | None:
     if output is None or not several:
         return output
     name = Path(file).with_suffix(".json").name if to == "json" else Path(file).name

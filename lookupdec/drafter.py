@@ -28,8 +28,9 @@ None of this can change what the target outputs: it only decides which tokens th
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
+from typing import Union
 
 import numpy as np
 
@@ -276,12 +277,12 @@ class LookupDrafter(AssistantProtocol):
 
     def __init__(
         self,
-        config: Optional[DrafterConfig] = None,
+        config: DrafterConfig | None = None,
         *,
-        cache: Optional[RollingCache] = None,
-        references: Optional[Iterable[TokenSource]] = None,
+        cache: RollingCache | None = None,
+        references: Iterable[TokenSource] | None = None,
         tokenizer=None,
-        vocab_size: Optional[int] = None,
+        vocab_size: int | None = None,
         **fields,
     ):
         if config is not None and fields:
@@ -314,7 +315,7 @@ class LookupDrafter(AssistantProtocol):
                 self._batch_costs[rows] = PassCost(prior_jump=0.05 * rows, prior_slope=0.035 * rows)
             return self._batch_costs[rows]
 
-    def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = ()) -> "DraftSession":
+    def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = ()) -> DraftSession:
         """Begin drafting for one request whose context is ``prompt`` (token ids)."""
         return DraftSession(self, np.asarray(prompt, dtype=np.int32), frozenset(int(t) for t in eos_ids))
 
@@ -357,7 +358,7 @@ class DraftSession:
         margin = 0.02 if cfg.guard else -1.0
         return self.take(best_draft_length(offer.first, offer.then, jump, slope, offer.tokens.size, margin))
 
-    def offer(self, limit: int) -> "Offer":
+    def offer(self, limit: int) -> Offer:
         """The longest draft on offer (up to ``limit`` tokens) with its odds, for a caller that chooses the length
         itself (a batch, where one length serves every row); then call :meth:`take`."""
         limit = min(limit, self._drafter.drafter_config.max_draft)
@@ -430,7 +431,7 @@ class DraftSession:
         self._pending = (None, -1, token)
         return token
 
-    def commit(self, tokens: Sequence[int], accepted: int, seconds: Optional[float] = None) -> None:
+    def commit(self, tokens: Sequence[int], accepted: int, seconds: float | None = None) -> None:
         """Record a verified step: ``tokens`` is what was appended (accepted draft tokens + the target's token),
         ``seconds`` the wall time of the step (feeds the cost fit)."""
         bucket, src, draft = self._pending

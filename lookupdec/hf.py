@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ SUPPORTED_TRANSFORMERS = ">=5.24,<6"
 class Resolved:
     generation_config: GenerationConfig
     processors: LogitsProcessorList  # empty when nothing modifies the logits (the fast greedy path)
-    stopping: Optional[StoppingCriteriaList]  # only user criteria / stop strings; EOS and length are handled inline
+    stopping: StoppingCriteriaList | None  # only user criteria / stop strings; EOS and length are handled inline
     eos_ids: frozenset
     do_sample: bool
 
@@ -58,9 +58,9 @@ def resolve_generation(
     input_ids: torch.Tensor,  # [1, prompt_len]
     *,
     max_new_tokens: int,
-    generation_config: Optional[GenerationConfig],
-    logits_processor: Optional[LogitsProcessorList],
-    stopping_criteria: Optional[StoppingCriteriaList],
+    generation_config: GenerationConfig | None,
+    logits_processor: LogitsProcessorList | None,
+    stopping_criteria: StoppingCriteriaList | None,
     tokenizer=None,
     **overrides: Any,
 ) -> Resolved:
@@ -104,7 +104,7 @@ class _TargetVocab:
     whatever vocabulary the target has. transformers compares ``target_vocab == assistant_vocab`` before assisted
     generation; the comparison falls through to this object, which says yes and remembers the size."""
 
-    def __init__(self, owner: "_AssistantConfig"):
+    def __init__(self, owner: _AssistantConfig):
         self._owner = owner
 
     def __eq__(self, other):
@@ -125,7 +125,7 @@ class _AssistantConfig:
 
     is_encoder_decoder = False
 
-    def __init__(self, vocab_size: Optional[int]):
+    def __init__(self, vocab_size: int | None):
         self.vocab_size_seen = vocab_size
         self._vocab = _TargetVocab(self) if vocab_size is None else vocab_size
 
@@ -144,7 +144,7 @@ class AssistantProtocol:
     does not tell a candidate generator that a request ended, so a request's output joins the rolling cache when
     the next request on the same drafter starts."""
 
-    def _hf_state(self) -> "_HfState":
+    def _hf_state(self) -> _HfState:
         state = getattr(self, "_hf", None)
         if state is None:
             state = self._hf = _HfState(_AssistantConfig(self.vocab_size), self.drafter_config.max_draft)
@@ -182,18 +182,18 @@ class _HfState:
             # 0 disables transformers' confidence-threshold machinery, which needs draft probabilities.
             assistant_confidence_threshold=0.0,
         )
-        self.session: Optional["DraftSession"] = None
-        self.sequence: Optional[np.ndarray] = None  # int32 [length] as of the last call
+        self.session: DraftSession | None = None
+        self.sequence: np.ndarray | None = None  # int32 [length] as of the last call
         self.last_draft: np.ndarray = np.zeros(0, dtype=np.int32)
-        self.last_call: Optional[float] = None
+        self.last_call: float | None = None
 
 
 def _assistant_generate(
-    drafter: "LookupDrafter",
+    drafter: LookupDrafter,
     state: _HfState,
     input_ids: torch.Tensor,  # [1, length]
     max_new_tokens: int,
-    generation_config: Optional[GenerationConfig],
+    generation_config: GenerationConfig | None,
 ) -> ModelOutput:
     if input_ids.shape[0] != 1:
         raise NotImplementedError("transformers' assisted generation supports batch size 1 only")
@@ -253,7 +253,7 @@ def _point_mass_scores(draft: np.ndarray, config: _AssistantConfig, do_sample: b
     return tuple(scores)
 
 
-def _eos_ids(generation_config: Optional[GenerationConfig]) -> frozenset:
+def _eos_ids(generation_config: GenerationConfig | None) -> frozenset:
     eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
     if eos is None:
         return frozenset()

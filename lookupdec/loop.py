@@ -39,7 +39,6 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 import numpy as np
 import torch
@@ -56,8 +55,8 @@ class GenerationStats:
     new_tokens: int = 0
     # accepted_per_position[pos]: drafts whose token at draft position pos was accepted;
     # drafted_per_position[pos]: drafts that had a token at position pos.
-    accepted_per_position: List[int] = field(default_factory=list)
-    drafted_per_position: List[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     draft_seconds: float = 0.0  # proposing drafts and updating the drafter
@@ -65,7 +64,7 @@ class GenerationStats:
     total_seconds: float = 0.0
     # Batches: the figures of each row, in the order of input_ids. The totals above count each batched pass once
     # (target_passes, model_seconds) and sum the rows' tokens. Empty for a batch of one.
-    rows: List["GenerationStats"] = field(default_factory=list)
+    rows: list[GenerationStats] = field(default_factory=list)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -97,20 +96,20 @@ class LookupOutput:
 def generate(
     model,
     input_ids: torch.LongTensor,  # [batch, prompt_len]
-    attention_mask: Optional[torch.Tensor] = None,  # [batch, prompt_len]; left padding, as for model.generate
+    attention_mask: torch.Tensor | None = None,  # [batch, prompt_len]; left padding, as for model.generate
     *,
     max_new_tokens: int,
-    drafter: Optional[LookupDrafter] = None,
-    do_sample: Optional[bool] = None,
-    temperature: Optional[float] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    repetition_penalty: Optional[float] = None,
+    drafter: LookupDrafter | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
     generation_config=None,
     logits_processor=None,
     stopping_criteria=None,
     streamer=None,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
     tokenizer=None,
     trace=None,
 ) -> LookupOutput:

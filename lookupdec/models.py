@@ -47,8 +47,9 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import torch

@@ -30,8 +30,8 @@ drafting saves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -48,7 +48,7 @@ class Verdict:
 def verify_greedy(
     logits: torch.Tensor,  # [d + 1, vocab] raw target logits for [last token, x_0 .. x_{d-1}]
     draft: torch.Tensor,  # [d] long, on logits.device
-    process: Optional[Processor] = None,
+    process: Processor | None = None,
 ) -> Verdict:
     """Longest prefix of ``draft`` equal to the target's argmax, plus the target's own next token."""
     d = draft.shape[0]
@@ -70,8 +70,8 @@ def verify_greedy(
 def verify_sample(
     logits: torch.Tensor,  # [d + 1, vocab] raw target logits for [last token, x_0 .. x_{d-1}]
     draft: torch.Tensor,  # [d] long, on logits.device
-    process: Optional[Processor] = None,
-    generator: Optional[torch.Generator] = None,
+    process: Processor | None = None,
+    generator: torch.Generator | None = None,
 ) -> Verdict:
     """Exact speculative sampling with a point-mass draft (module docstring)."""
     d = draft.shape[0]
@@ -94,5 +94,5 @@ def verify_sample(
     raise AssertionError("unreachable")
 
 
-def _draw(p: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=generator))

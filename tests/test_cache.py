@@ -15,8 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookupdec.cache import FORMAT_NAME, FORMAT_VERSION, CacheConfig, CacheFileError, RollingCache
-
+from lookupdec.cache import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CacheConfig,
+    CacheFileError,
+    RollingCache,
+)
 
 # ------------------------------------------------------------------------------------------------------------ reference
 # lookupdec/_reference.py belongs to another module's owner, so the cache's slow twin lives here.

@@ -38,7 +38,7 @@ from lookupdec import cli
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
 SUMMARY = re.compile(r"^reformat: (\d+) new tokens, (\d+) target passes, (\d+\.\d\d) tokens/pass, (\d+\.\d) s "
-                     r"\((\d+) sections?, (\d+) kept unchanged\)$", re.M)
+                     r"\((\d+) sections?, (\d+) kept unchanged\)$", re.MULTILINE)
 
 SERVICE = (CONFIGS / "service.yaml").read_text()
 
@@ -787,7 +787,7 @@ def test_model_compare(here, real):
     result = run("reformat", name, "--compare")
     assert result.exit_code == 0
     assert re.search(r"^compare: lookupdec \d+\.\d s, plain \d+\.\d s \(\d+\.\d\dx\), prompt lookup \d+\.\d s "
-                     r"\(\d+\.\d\dx\); same text$", result.stderr, re.M), result.stderr
+                     r"\(\d+\.\d\dx\); same text$", result.stderr, re.MULTILINE), result.stderr
 
 
 # --------------------------------------------------------------------------------------------------------------
