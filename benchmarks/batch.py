@@ -1,7 +1,8 @@
 """Batched lookup decoding against plain batched greedy ``model.generate``: throughput by batch size.
 
 Run through ``python benchmarks/run.py --batch 1 2 4 8``. The same copy-heavy prompts are used at every batch
-size (8 prompts: one batch of 8, two of 4, four of 2, eight of 1), left-padded like any batched ``generate`` call.
+size (8 prompts: one batch of 8, two of 4, four of 2, eight of 1), left-padded like any batched ``generate`` call;
+a batch larger than the number of copy-heavy prompts repeats them.
 Each batch runs plain greedy and ``lookupdec.generate`` in turn (order rotated per repetition), and every row of
 every lookup run is compared with single-sequence greedy on that prompt alone, and with the plain batched run.
 
@@ -49,9 +50,11 @@ def run_batches(model, tokenizer, prompts, sizes, args, encode) -> dict:
     eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     count = max(sizes)
-    prompts = prompts[:count]
     if len(prompts) < count:
-        raise SystemExit(f"--batch {count} needs {count} prompts; the chosen suites have {len(prompts)}")
+        # More rows than prompts: the list is repeated (a repeat is generated independently, row by row).
+        print(f"--batch {count}: {len(prompts)} prompts, repeated to fill {count} rows", file=sys.stderr)
+        prompts = [prompts[i % len(prompts)] for i in range(count)]
+    prompts = prompts[:count]
     encoded = [encode(tokenizer, p.user)[0] for p in prompts]
     kw = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     with torch.inference_mode():
