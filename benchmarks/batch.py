@@ -125,10 +125,11 @@ def _as_list(value):
 
 
 def markdown(data: dict, meta: dict) -> str:
-    lines = [f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, greedy, "
-             f"max_new_tokens={meta['max_new_tokens']}, reps={meta['reps']}, {meta['prompts']} copy-heavy prompts",
-             "", "| batch | plain tok/s | lookupdec tok/s | speedup | tok/pass per row (median) | "
-             "mean pass width | rows identical | = plain batched |", "|---|---|---|---|---|---|---|---|"]
+    run = (f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, greedy, "
+           f"max_new_tokens={meta['max_new_tokens']}, reps={meta['reps']}, {meta['prompts']} copy-heavy prompts")
+    head = ("| batch | plain tok/s | lookupdec tok/s | speedup | tok/pass per row (median) | mean pass width | "
+            "rows identical | = plain batched |")
+    lines = [run, "", head, "|---|---|---|---|---|---|---|---|"]
     for e in data["batches"]:
         width = statistics.mean(e["widths"]) if e["widths"] else 1.0
         lines.append(f"| {e['batch']} | {e['plain_tok_s']:.1f} | {e['lookup_tok_s']:.1f} | {e['speedup']:.2f}x | "
