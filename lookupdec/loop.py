@@ -290,8 +290,10 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
     lengths = mask.sum(dim=1)
     if bool((lengths == 0).any()):
         raise ValueError("every row of input_ids needs at least one token")
-    if not bool((mask == (torch.arange(width) >= (width - lengths)[:, None])).all()):
+    if not bool((mask == (torch.arange(width, device=mask.device) >= (width - lengths)[:, None])).all()):
         raise ValueError("attention_mask must be left padding (zeros first, then ones) on every row")
+    if not hasattr(drafter, "batch_cost"):
+        raise TypeError(f"batches need a LookupDrafter (or a subclass), got {type(drafter).__name__}")
     cache = DynamicCache(config=model.config)
     params = frozenset(inspect.signature(model.forward).parameters)
     if any(cache.is_sliding):
@@ -379,9 +381,9 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
             length = max(offer.tokens.size for offer in offers)
         drafts = [row.session.take(length) for row in active]
         stats.draft_seconds += time.perf_counter() - t0
-        width = max(len(draft) for draft in drafts) + 1
-        feed = torch.empty((len(active), width), dtype=torch.long, device=device)
-        feed_mask = torch.zeros((len(active), width), dtype=torch.bool, device=device)
+        span = max(len(draft) for draft in drafts) + 1  # tokens fed per row
+        feed = torch.empty((len(active), span), dtype=torch.long, device=device)
+        feed_mask = torch.zeros((len(active), span), dtype=torch.bool, device=device)
         draft_ts = []
         for i, (row, draft) in enumerate(zip(active, drafts)):
             d = len(draft)
@@ -392,13 +394,13 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
             feed_mask[i, : d + 1] = True
             row.draft = draft
             draft_ts.append(draft_t)
-        positions = counts[:, None] + torch.arange(width, device=device)
+        positions = counts[:, None] + torch.arange(span, device=device)
 
         t0 = time.perf_counter()
-        logits = _forward_batch(model, feed, torch.cat([kv_mask, feed_mask], dim=1), positions, cache, width,
-                                params)  # [rows, width, vocab]
+        logits = _forward_batch(model, feed, torch.cat([kv_mask, feed_mask], dim=1), positions, cache, span,
+                                params)  # [rows, span, vocab]
         pass_seconds = time.perf_counter() - t0
-        cost.observe(width - 1, pass_seconds)
+        cost.observe(span - 1, pass_seconds)
         stats.model_seconds += pass_seconds
         stats.target_passes += 1
 
@@ -415,7 +417,7 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
         # span stay in the cache as masked holes (compacted away once they pile up).
         accepted_t = torch.tensor(accepted, device=device)
         kept = int(accepted_t.max()) + 1
-        cache.crop(kept - width)
+        cache.crop(kept - span)
         kv_mask = torch.cat([kv_mask, torch.arange(kept, device=device) <= accepted_t[:, None]], dim=1)
         counts = counts + accepted_t + 1
 

@@ -155,6 +155,13 @@ def test_bad_batches_are_refused(tiny_model):
     with pytest.raises(ValueError, match="trace"):
         lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=4, trace=[None])
 
+    class SingleRowDrafter:  # start/propose/commit/finish only: enough for one row, not for a batch
+        def start(self, prompt, eos_ids=()):
+            raise AssertionError("not reached")
+
+    with pytest.raises(TypeError, match="batches need a LookupDrafter"):
+        lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=4, drafter=SingleRowDrafter())
+
 
 def test_sliding_window_models_are_refused():
     from transformers import MistralConfig, MistralForCausalLM
