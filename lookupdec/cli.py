@@ -32,8 +32,9 @@ JSON. ``--to json`` serializes the validated YAML result with ``json.dumps``: as
 embedded model got 2 of 14 real config sections right (it invents keys and nests values), and a plain
 conversion needs no model at all.
 
-Exit codes: 0 success; 1 the model's output was rejected (nothing written); 2 usage or input error, including a
-model that cannot be loaded (nothing written); 130 interrupted (nothing written).
+Exit codes: 0 success; 1 the model's output was rejected (nothing written; with several files, nothing for the
+rejected ones); 2 usage or input error, including a model that cannot be loaded (nothing written); 130
+interrupted (nothing written).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ EXIT_CODES_HELP = """\b
 Exit codes:
   0    success
   1    the model's output was rejected (it did not validate); nothing was written
+       (with several files: nothing for the rejected ones)
   2    usage or input error (bad option, unreadable/invalid/empty/too large file,
        model that cannot be loaded); nothing was written
   130  interrupted (Ctrl-C); nothing was written
@@ -741,6 +743,10 @@ class ModelEngine:
 
         encoded = [self.encode(p)[0] for p in prompts]
         budgets = [max(1, min(b, self.context - len(e))) for b, e in zip(budgets, encoded, strict=True)]
+        if any(max(budgets) > self.context - len(e) for e in encoded):
+            # One budget serves the batch (rows are cut at their own afterwards): it must fit every row's context.
+            return [self.complete(p, b, streamer=progress, **({"trace": traces[i]} if traces else {}))
+                    for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))]
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         width = max(len(e) for e in encoded)
@@ -795,8 +801,14 @@ class _FenceStop:
     def __call__(self, input_ids, scores=None, **kwargs):  # input_ids [batch, length] -> [batch] bool
         import torch
 
-        done = [bool(self._CLOSING.search(self.tokenizer.decode(row[-4:].tolist()))) for row in input_ids]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+        return torch.tensor([self._closes(row[-4:].tolist()) for row in input_ids], dtype=torch.bool,
+                            device=input_ids.device)
+
+    def _closes(self, tail: list) -> bool:
+        # Only a fence that the newest token completes counts: the prompt's last tokens (the prefilled first line,
+        # which may itself hold backticks) are in the window too.
+        before = len(self.tokenizer.decode(tail[:-1]))
+        return any(m.end() > before for m in self._CLOSING.finditer(self.tokenizer.decode(tail)))
 
 
 def _open_engine(name: str | None, progress: bool) -> ModelEngine:
@@ -875,6 +887,14 @@ class _Job:
     def __init__(self, section: Section, budget: int, shown: str, depth: int = 0):
         self.section, self.budget, self.shown, self.depth = section, budget, shown, depth
         self.pieces: list = []
+        self.request = None  # its trace request, when tracing
+
+    def requests(self) -> list:
+        """Trace requests of this job and its parts, in file order."""
+        out = [self.request] if self.request is not None else []
+        for piece in self.pieces:
+            out += piece.requests() if isinstance(piece, _Job) else []
+        return out
 
     def flat(self) -> list[tuple]:
         out = []
@@ -904,24 +924,31 @@ class _Editor:
         self.kept = Counter()
 
     def run(self, jobs: Sequence[_Job]) -> None:
-        """Fill in every job's ``pieces``."""
+        """Fill in every job's ``pieces``. Each batch is validated as soon as it returns (a rejected edit stops
+        the run there); the parts of rejected sections go to the next round."""
         queue = list(jobs)
         while queue:
-            answers = []
-            for start in range(0, len(queue), self.batch):
-                answers += self._complete(queue[start: start + self.batch])
             following = []
-            for job, (done, request) in zip(queue, answers, strict=True):
-                following += self._settle(job, done, request)
+            for start in range(0, len(queue), self.batch):
+                chunk = queue[start: start + self.batch]
+                for job, (done, request) in zip(chunk, self._complete(chunk), strict=True):
+                    job.request = request
+                    following += self._settle(job, done, request)
             queue = following
 
     def _complete(self, jobs: Sequence[_Job]) -> list[tuple]:
         """``[(Completion, trace request or None), ...]`` for ``jobs``, batched when the engine can."""
         prompts = [build_prompt(job.section.text, self.instruction) for job in jobs]
         recorders = [self._recorder(job) for job in jobs] if self.trace is not None else None
+        done = None
         if len(jobs) > 1 and self.method == "lookup" and hasattr(self.engine, "complete_many"):
-            done = self.engine.complete_many(prompts, [job.budget for job in jobs], self.progress, recorders)
-        else:
+            try:
+                done = self.engine.complete_many(prompts, [job.budget for job in jobs], self.progress, recorders)
+            except NotImplementedError:
+                # The model cannot run batches (sliding-window attention): one section at a time from now on.
+                self.batch = 1
+                recorders = [self._recorder(job) for job in jobs] if self.trace is not None else None
+        if done is None:
             done = []
             for i, (job, prompt) in enumerate(zip(jobs, prompts, strict=True)):
                 # trace is passed only when tracing, so engines without the argument still work
@@ -1095,7 +1122,8 @@ def reformat(files, instruction, to, output, in_place, batch, model_name, max_ne
     stdout, to OUT with -o, or replaces FILE with --in-place.
 
     Several files are edited together, their sections batched, and need --in-place or -o FOLDER; each file is
-    validated and written on its own, and the exit code is 1 if any was rejected.
+    validated and written on its own, and the exit code is 1 if any was rejected. With --instruction, a rejected
+    section stops the whole run (nothing is written) unless --keep-going.
 
     \b
     Examples:
@@ -1120,6 +1148,12 @@ def reformat(files, instruction, to, output, in_place, batch, model_name, max_ne
                                "existing folder")
     if len(set(os.path.realpath(f) for f in files)) < len(files):
         raise click.UsageError("a file is named twice")
+    if len(files) > 1 and output is not None:
+        targets = [os.path.realpath(_output_for(f, output, True, to)) for f in files]
+        if len(set(targets)) < len(targets):
+            raise click.UsageError("two files would be written to the same name in the -o folder")
+        if set(targets) & {os.path.realpath(f) for f in files}:
+            raise click.UsageError("-o would overwrite an input file; use --in-place to replace inputs")
     say = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     trace = _Trace(trace_path, files) if trace_path is not None else None
     try:
@@ -1253,12 +1287,17 @@ def _reformat(files, instruction, to, output, in_place, model_name, max_new_toke
     for run, where, docs in written:
         if where:
             say(where)
-    if trace is not None:
-        trace.save(say)
+    if trace is not None and trace.recorder is not None:
+        # Batches and retries run sections out of order; the page lists them in file order.
+        trace.recorder.requests = [request for run in runs for piece in run.pieces if isinstance(piece, _Job)
+                                   for request in piece.requests()]
     if failures:
         for err in failures:
             click.echo(f"error: {err}", err=True)
-        raise _Failed(f"{len(failures)} of {len(runs)} files rejected; the others were written", EXIT_REJECTED)
+        rest = "the others were written" if written else "nothing was written"
+        raise _Failed(f"{len(failures)} of {len(runs)} files rejected; {rest}", EXIT_REJECTED)  # trace saved by reformat
+    if trace is not None:
+        trace.save(say)
 
 
 def _finish_file(run: _File, editor: _Editor, instruction, to) -> tuple:

@@ -875,7 +875,8 @@ def test_fence_stop_ignores_the_opening_fence_and_stops_at_the_closing_one():
     assert not bool(stop(ids("x\n```y"))[0])  # the last 4 characters: "```y", an opening fence
     assert not bool(stop(ids("a: 1\n"))[0])
     assert bool(stop(ids("a: 1\n```"))[0])
-    assert bool(stop(ids("1\n```\n"))[0])
+    assert not bool(stop(ids("1\n```\n"))[0])  # completed by an earlier token: it fired there
+    assert not bool(stop(ids('cmd: "```"'))[0])  # backticks in the prefilled first line do not stop the answer
     two = torch.cat([ids("```yaml"), ids("abc\n```")])
     assert stop(two).tolist() == [False, True]
 
@@ -912,3 +913,63 @@ def test_engine_batch_answers_equal_single_answers(real):
         assert got.token_ids == alone.token_ids
         assert got.answer == alone.answer
     assert len(many[1].token_ids) == 6
+
+
+class BatchingStub(StubEngine):
+    """A StubEngine that also takes batches (answering each prompt as `complete` would), and records their sizes."""
+
+    def __init__(self, answer=None):
+        super().__init__(answer)
+        self.batches = []
+
+    def complete_many(self, prompts, budgets, progress=None, traces=None):
+        self.batches.append(len(prompts))
+        return [self.complete(p, b) for p, b in zip(prompts, budgets)]
+
+
+def test_batched_sections_keep_file_order_and_retries(here, monkeypatch):
+    # Two files in one batch queue; three sections are rejected and retried in parts in a later round (here the
+    # parts are rejected too, so the sections are kept as they were). Results and messages are those of --batch 1.
+    from collections import Counter
+
+    shutil.copy(CONFIGS / "dependabot.yml", here / "dependabot.yml")
+    seen = Counter()
+
+    def answer(section, prompt):  # an invented comment (rejected) for the larger sections holding these keys
+        seen[section] += 1
+        big = section.count("\n") > 3 and ("port: 8080" in section or "package-ecosystem" in section)
+        return "# invented\n" + section if big else section
+
+    outputs = {}
+    for batch in ("1", "4"):
+        engine = BatchingStub(answer)
+        seen.clear()
+        monkeypatch.setattr(cli, "_open_engine", lambda name, progress, engine=engine: engine)
+        folder = here / f"out{batch}"
+        folder.mkdir()
+        result = run("reformat", "service.yaml", "dependabot.yml", "-o", folder.name, "--batch", batch)
+        assert result.exit_code == 0, result.stderr
+        outputs[batch] = {name: (folder / name).read_text() for name in ("service.yaml", "dependabot.yml")}
+        if batch == "4":
+            assert engine.batches and max(engine.batches) <= 4 and max(engine.batches) > 1
+        else:
+            assert engine.batches == []
+        kept = [line for line in result.stderr.splitlines() if "kept unchanged:" in line]
+        outputs[batch]["kept"] = kept
+        assert len(kept) == 3 and kept[0].startswith("service.yaml") and len(engine.sections) > 7  # retried
+    assert outputs["1"] == outputs["4"]
+    assert yaml.safe_load(outputs["4"]["service.yaml"]) == yaml.safe_load(SERVICE)
+    assert outputs["4"]["dependabot.yml"] == (CONFIGS / "dependabot.yml").read_text()
+
+
+def test_several_files_refuse_colliding_outputs(here, stub):
+    (here / "a").mkdir()
+    (here / "b").mkdir()
+    shutil.copy(here / "service.yaml", here / "a" / "x.yaml")
+    shutil.copy(here / "service.yaml", here / "b" / "x.yaml")
+    (here / "out").mkdir()
+    result = run("reformat", "a/x.yaml", "b/x.yaml", "-o", "out")
+    assert result.exit_code == 2 and "same name" in result.stderr
+    result = run("reformat", "a/x.yaml", "service.yaml", "-o", "a")
+    assert result.exit_code == 2 and "overwrite an input" in result.stderr
+    assert stub.sections == []
