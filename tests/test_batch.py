@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from test_exactness import _plain, _prompts
-from test_sampling import ALPHA, STEPS, _pad, _plain_samples, _two_sample_p
+from test_sampling import ALPHA, STEPS, _pad, _plain_samples, _two_sample_p, peaky_model
 
 import lookupdec
 from lookupdec import LookupDrafter
@@ -121,9 +121,7 @@ def test_one_row_batch_equals_the_single_path(tiny_model):
 def test_batched_sampling_follows_each_rows_distribution():
     # Two different prompts, three copies each per call: each row's samples must be distributed like plain
     # sampling of that prompt alone, with independent randomness per row.
-    from test_sampling import peaky as peaky_fixture
-
-    model, prompt = peaky_fixture.__wrapped__()
+    model, prompt = peaky_model()
     other = prompt[:, 3:]  # a shorter prompt: the batch gets left padding
     ids, mask = _left_pad([prompt, other, prompt, other, prompt, other], 2)
     gen = torch.Generator().manual_seed(7)

@@ -95,6 +95,10 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def peaky():
+    return peaky_model()
+
+
+def peaky_model():
     """A small random llama whose next-token distributions are peaky but not deterministic, with a prompt that is
     the model's own greedy cycle, so lookup drafts are accepted often and rejected sometimes."""
     from conftest import _tiny
