@@ -146,20 +146,30 @@ def generate(
         )
 
 
+def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple:
+    """``(mask, lengths)``: the attention mask as bools and each row's token count; ValueError unless every row
+    is left padding (zeros first, then ones) followed by at least one token."""
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    width = input_ids.shape[1]
+    lengths = mask.sum(dim=1)
+    if bool((lengths == 0).any()):
+        raise ValueError("every row of input_ids needs at least one token (not empty, not all padding)")
+    if not bool((mask == (torch.arange(width, device=mask.device) >= (width - lengths)[:, None])).all()):
+        raise ValueError("attention_mask must be left padding (zeros first, then ones) on every row")
+    return mask, lengths
+
+
 def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrides, generation_config,
               logits_processor, stopping_criteria, streamer, generator, tokenizer, trace) -> LookupOutput:
     started = time.perf_counter()
     device = model.device
-    padding = 0
-    if attention_mask is not None and not bool(attention_mask.all()):
-        # Batch of one: left padding carries no information; drop it and put it back in the output.
-        padding = int((attention_mask[0] == 0).sum())
-        if bool(attention_mask[0, padding:].all()) is False or bool(attention_mask[0, :padding].any()):
-            raise ValueError("attention_mask must be left padding (zeros first, then ones)")
+    # Batch of one: left padding carries no information; drop it and put it back in the output.
+    _, lengths = _left_padding(input_ids, attention_mask)
+    padding = input_ids.shape[1] - int(lengths[0])
     prompt = input_ids[:, padding:].to(device)
     prompt_len = prompt.shape[1]
-    if prompt_len == 0:
-        raise ValueError("input_ids is empty")
     resolved = resolve_generation(
         model, prompt, max_new_tokens=max_new_tokens, generation_config=generation_config,
         logits_processor=logits_processor, stopping_criteria=stopping_criteria, tokenizer=tokenizer, **overrides,
@@ -191,7 +201,7 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
 
     session = drafter.start(prompt[0].cpu().numpy(), eos_ids=resolved.eos_ids)
     t0 = time.perf_counter()
-    logits = _forward(model, prompt, cache, 1, params)  # [1, vocab]
+    logits = _forward(model, prompt, cache, 1, params)[0]  # [1, vocab]
     pass_seconds = time.perf_counter() - t0
     stats.model_seconds += pass_seconds
     stats.target_passes += 1
@@ -228,7 +238,7 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
         feed = seq[:, cur - 1: cur + d]  # [1, d + 1]: last committed token + draft
 
         t0 = time.perf_counter()
-        logits = _forward(model, feed, cache, d + 1, params)  # [d + 1, vocab]
+        logits = _forward(model, feed, cache, d + 1, params)[0]  # [d + 1, vocab]
         pass_seconds = time.perf_counter() - t0
         stats.model_seconds += pass_seconds
         stats.target_passes += 1
@@ -284,14 +294,7 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
     traces = list(trace) if trace is not None else [None] * batch
     if len(traces) != batch:
         raise ValueError(f"a batch of {batch} rows needs {batch} trace recorders (a list), got {len(traces)}")
-    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    if mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
-    lengths = mask.sum(dim=1)
-    if bool((lengths == 0).any()):
-        raise ValueError("every row of input_ids needs at least one token")
-    if not bool((mask == (torch.arange(width, device=mask.device) >= (width - lengths)[:, None])).all()):
-        raise ValueError("attention_mask must be left padding (zeros first, then ones) on every row")
+    mask, lengths = _left_padding(input_ids, attention_mask)
     if not hasattr(drafter, "batch_cost"):
         raise TypeError(f"batches need a LookupDrafter (or a subclass), got {type(drafter).__name__}")
     cache = DynamicCache(config=model.config)
@@ -326,7 +329,7 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
     positions = mask.long().cumsum(-1) - 1
     positions.masked_fill_(~mask, 1)
     t0 = time.perf_counter()
-    logits = _forward_batch(model, input_ids.to(device), mask, positions, cache, 1, params)  # [batch, 1, vocab]
+    logits = _forward(model, input_ids.to(device), cache, 1, params, mask, positions)  # [batch, 1, vocab]
     pass_seconds = time.perf_counter() - t0
     stats.model_seconds += pass_seconds
     stats.target_passes += 1
@@ -397,8 +400,8 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
         positions = counts[:, None] + torch.arange(span, device=device)
 
         t0 = time.perf_counter()
-        logits = _forward_batch(model, feed, torch.cat([kv_mask, feed_mask], dim=1), positions, cache, span,
-                                params)  # [rows, span, vocab]
+        logits = _forward(model, feed, cache, span, params, torch.cat([kv_mask, feed_mask], dim=1),
+                          positions)  # [rows, span, vocab]
         pass_seconds = time.perf_counter() - t0
         cost.observe(span - 1, pass_seconds)
         stats.model_seconds += pass_seconds
@@ -483,21 +486,17 @@ def _pad_token(resolved) -> int:
     return 0
 
 
-def _forward_batch(model, ids, mask, positions, cache, keep: int, params: frozenset) -> torch.Tensor:
-    """One target pass over ``ids`` [rows, n] with a 2-D mask over cache + new slots; last ``keep`` logits rows
-    of each row: [rows, keep, vocab]."""
-    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in params else {}
-    kwargs["cache" if "cache" in params else "past_key_values"] = cache
-    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=True, **kwargs)
-    return out.logits[:, -keep:]
-
-def _forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset) -> torch.Tensor:
-    """One target pass over ``ids`` [1, n] on ``cache``; returns the last ``keep`` rows of logits [keep, vocab]."""
+def _forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset, mask=None,
+             positions=None) -> torch.Tensor:
+    """One target pass over ``ids`` [rows, n] on ``cache``; returns the last ``keep`` logits of each row
+    [rows, keep, vocab]. Batches pass a 2-D ``mask`` over cache + new slots and each row's ``positions``."""
     kwargs = {"logits_to_keep": keep} if "logits_to_keep" in params else {}
     # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40).
     kwargs["cache" if "cache" in params else "past_key_values"] = cache
+    if mask is not None:
+        kwargs.update(attention_mask=mask.long(), position_ids=positions)
     out = model(input_ids=ids, use_cache=True, **kwargs)
-    return out.logits[0, -keep:]
+    return out.logits[:, -keep:]
 
 
 def _stop_check(step_tokens, resolved, seq, cur, prompt_len, max_new_tokens) -> tuple:

@@ -212,6 +212,12 @@ def test_bad_arguments(tiny_model):
         lookupdec.generate(tiny_model, prompt, max_new_tokens=0)
     with pytest.raises(ValueError, match="input_ids"):
         lookupdec.generate(tiny_model, prompt[0], max_new_tokens=4)
+    right_padded = torch.ones_like(prompt)
+    right_padded[0, -2:] = 0
+    with pytest.raises(ValueError, match="left padding"):
+        lookupdec.generate(tiny_model, prompt, attention_mask=right_padded, max_new_tokens=4)
+    with pytest.raises(ValueError, match="at least one token"):
+        lookupdec.generate(tiny_model, prompt, attention_mask=torch.zeros_like(prompt), max_new_tokens=4)
 
 
 def test_one_drafter_serves_concurrent_requests(tiny_model):
