@@ -897,10 +897,15 @@ class _Job:
         return out
 
     def flat(self) -> list[tuple]:
-        out = []
-        for piece in self.pieces:
-            out += piece.flat() if isinstance(piece, _Job) else [piece]
-        return out
+        return _flat(self.pieces)
+
+
+def _flat(pieces: Sequence) -> list[tuple]:
+    """``(Section, text or None)`` pairs of ``pieces`` in file order, the jobs among them expanded."""
+    out = []
+    for piece in pieces:
+        out += piece.flat() if isinstance(piece, _Job) else [piece]
+    return out
 
 
 class _Editor:
@@ -1306,9 +1311,7 @@ def _finish_file(run: _File, editor: _Editor, instruction, to) -> tuple:
     if editor.kept[shown] == editor.edited[shown]:
         raise _Failed(f"{shown}: the model's output was rejected for every section; nothing was written",
                       EXIT_REJECTED)
-    pieces = []
-    for piece in run.pieces:
-        pieces += piece.flat() if isinstance(piece, _Job) else [piece]
+    pieces = _flat(run.pieces)
     result_text = join_sections([p[0] for p in pieces], [p[1] for p in pieces])
     try:
         docs = load_yaml_documents(result_text)
