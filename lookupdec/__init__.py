@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # Attributes resolve lazily so `import lookupdec` (and the CLI's --help) does not pay for torch and numba.
 _EXPORTS = {
     "generate": ("loop", "generate"),
+    "calibrate": ("costs", "calibrate"),
     "GenerationStats": ("loop", "GenerationStats"),
     "LookupOutput": ("loop", "LookupOutput"),
     "LookupDrafter": ("drafter", "LookupDrafter"),

@@ -685,6 +685,14 @@ class ModelEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def prepare(self, say) -> None:
+        """Calibrate the drafter to this model's pass cost by draft length: measured once per model, device and
+        thread count (saying so, since it takes a few seconds), then read from the cache."""
+        from lookupdec.costs import calibrate
+
+        calibrate(self.drafter, self.model, on_measure=lambda: say(
+            "measuring this model's pass cost by draft length (once per machine and model, a few seconds)"))
+
     def encode(self, prompt: Prompt):
         import torch
 
@@ -1249,6 +1257,8 @@ def _reformat(files, instruction, to, output, in_place, model_name, max_new_toke
             run.plan = plan_sections(run.text, engine, instruction, max_new_tokens, run.shown)
     except (ModelLoadError, InputError) as err:
         raise _Failed(str(err), EXIT_USAGE) from None
+    if not no_lookup:
+        engine.prepare(say)
 
     # About one token per token of a section, plus the closing fence.
     progress = TokenProgress(total=sum(n + 2 for run in runs for n, s in zip(run.plan.sizes, run.plan.sections,

@@ -13,13 +13,15 @@ Sources, in the order a proposal consults them:
 
 Draft length is cost-aware (``DrafterConfig.adaptive``): every source bucket (the cursor; an index match by how
 many tokens it really shares with the current suffix; a cache match by n) keeps a running estimate ``a`` of the
-chance that the next drafted token is accepted, and the drafter keeps a running fit of how the target's pass time
-grows with draft length (``PassCost``: any draft costs a jump, then a little per token). A draft of ``d`` tokens yields
-``1 + a + ... + a^d`` tokens per pass on average; the drafter picks the ``d`` with the best tokens per second and
-drafts nothing when no ``d`` beats a plain step (so open-ended text does not get slower). A bucket that stopped
+chance that the next drafted token is accepted, and ``PassCost`` says what a pass with ``d`` drafted tokens costs:
+the target's measured cost at every draft length (``lookupdec.calibrate``, which ``lookupdec.generate`` runs once per
+model, device and thread count), or else a running straight-line fit (any draft costs a jump, then a little per
+token). A draft of ``d`` tokens yields ``1 + a + ... + a^d`` tokens per pass on average; the drafter picks the ``d``
+with the best tokens per second and drafts nothing when no ``d`` beats a plain step (so open-ended text does not
+get slower). A bucket that stopped
 drafting slowly forgets its bad record, so copying is probed again later.
 
-Each mechanism can be switched off in ``DrafterConfig`` (``cursor``, ``guard``, ``adaptive``, ``use_cache``) to
+Each mechanism can be switched off in ``DrafterConfig`` (``cursor``, ``guard``, ``adaptive``, ``calibrate``, ``use_cache``) to
 measure what it is worth (``benchmarks/simulate.py --ablate``).
 
 None of this can change what the target outputs: it only decides which tokens the target is asked to check.
@@ -62,9 +64,13 @@ class DrafterConfig:
     # The never-slower guard of the adaptive length: draft nothing when no length beats a plain step. False keeps
     # the adaptive choice but drafts at least one token whenever there is a candidate, for ablations.
     guard: bool = True
+    # Price drafts with the target's measured pass cost at every draft length (lookupdec.calibrate: measured once
+    # per model, device and thread count, then cached on disk) instead of a straight-line fit. False keeps the
+    # online straight-line fit, for ablations and for callers that must not spend the few seconds it takes.
+    calibrate: bool = True
 
     def __post_init__(self):
-        for name in ("use_cache", "adaptive", "cursor", "guard"):
+        for name in ("use_cache", "adaptive", "cursor", "guard", "calibrate"):
             value = getattr(self, name)
             if type(value) is not bool:  # 0, 1, None or "no" are mistakes; bool cannot be subclassed
                 raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -153,13 +159,18 @@ class _Acceptance:
 
 
 class PassCost:
-    """Running model of a step's wall time against draft length ``d``, relative to a plain step.
+    """A step's wall time against draft length ``d``, relative to a plain step: :meth:`costs`.
 
-    Measured on a 2-core CPU with SmolLM2-135M: a plain step (one token) runs matrix-vector products, while any
-    draft turns them into matrix-matrix products, which cost about 1.6 plain steps at once and then ~5% of a step
-    per drafted token (32 tokens: ~3.2 steps). So the model is ``time(0) = t0`` and
-    ``time(d) = t1 + slope * d`` for ``d >= 1``, fitted by exponentially forgotten least squares on the steps
-    actually run. Until enough steps of a kind have been seen, the measured CPU shape above stands in.
+    With a measured profile (:meth:`use_profile`, from ``lookupdec.calibrate``) that is the profile: the cost of
+    every draft length, as measured on this model, device and thread count. The curve need not be straight or
+    even rise: on this project's CPU, one torch thread, SmolLM2-135M, a pass with 2 drafted tokens costs 2.0
+    plain steps and one with 3 costs 1.5 (MKL runs products of 2 or 3 rows as that many matrix-vector products).
+
+    Without one, a straight line: a plain step runs matrix-vector products, while any draft turns them into
+    matrix-matrix products, which cost about 1.6 plain steps at once and then ~5% of a step per drafted token
+    (32 tokens: ~3.2 steps). So ``time(0) = t0`` and ``time(d) = t1 + slope * d`` for ``d >= 1``, fitted by
+    exponentially forgotten least squares on the steps actually run (:meth:`relative`); until enough steps of a
+    kind have been seen, that CPU shape stands in. Batches use the straight line (``LookupDrafter.batch_cost``).
     """
 
     PRIOR_JUMP = 0.55  # time(1) / time(0) - 1 - PRIOR_SLOPE
@@ -170,6 +181,7 @@ class PassCost:
         self.prior_jump, self.prior_slope = prior_jump, prior_slope
         self._plain = np.zeros(2)  # weight, sum t over d == 0
         self._draft = np.zeros(5)  # weight, sum d, sum t, sum d*d, sum d*t over d >= 1
+        self._profile = None  # measured relative cost per draft length, when calibrated
         self._lock = threading.Lock()
 
     def observe(self, draft_len: int, seconds: float) -> None:
@@ -181,6 +193,36 @@ class PassCost:
             else:
                 self._draft *= self._KEEP
                 self._draft += (1.0, d, t, d * d, d * t)
+
+    def costs(self, available: int) -> np.ndarray:
+        """Relative time of a pass with ``d`` drafted tokens, ``d = 0 .. available`` (``costs[0] == 1``): the
+        measured profile when one is set (:meth:`use_profile`), else the straight-line fit of :meth:`relative`."""
+        profile = self._profile
+        if profile is None:
+            return linear_costs(*self.relative(), available)
+        if available < profile.size:
+            return profile[: available + 1]
+        # Past the measured lengths: the slope of the profile's last quarter, which is where it is straight.
+        last = profile.size - 1
+        ref = max(1, last - max(1, last // 4))
+        slope = max((profile[last] - profile[ref]) / (last - ref), 0.0) if last > ref else 0.0
+        return np.concatenate([profile, profile[last] + slope * np.arange(1, available - last + 1)])
+
+    def use_profile(self, profile) -> None:
+        """Price drafts with ``profile[d]``, the measured time of a pass with ``d`` drafted tokens relative to a
+        plain step (``lookupdec.calibrate``); ``None`` goes back to the online straight-line fit. Beyond the
+        profile's last length the cost grows by its last step's slope."""
+        if profile is None:
+            self._profile = None
+            return
+        profile = np.asarray(profile, dtype=np.float64)
+        if profile.ndim != 1 or profile.size < 2 or not np.all(np.isfinite(profile)) or profile.min() <= 0:
+            raise ValueError(f"a pass-cost profile is a 1-D array of >= 2 positive costs, got {profile!r}")
+        self._profile = profile / profile[0]
+
+    @property
+    def profile(self) -> np.ndarray | None:
+        return self._profile
 
     def relative(self) -> tuple:
         """``(jump, slope)`` with ``time(d) / time(0) = 1 + jump + slope * d`` for ``d >= 1``."""
@@ -206,22 +248,27 @@ class PassCost:
         return max(t1 / t0 - 1.0, 0.0), slope / t0
 
 
-def best_draft_length(first: float, then: float, jump: float, slope: float, available: int,
-                      margin: float = 0.02) -> int:
+def linear_costs(jump: float, slope: float, available: int) -> np.ndarray:
+    """Relative pass times ``1`` for ``d == 0`` and ``1 + jump + slope * d`` for ``d = 1 .. available``."""
+    costs = 1.0 + jump + slope * np.arange(available + 1, dtype=np.float64)
+    costs[0] = 1.0
+    return costs
+
+
+def best_draft_length(first: float, then: float, costs: Sequence[float], margin: float = 0.02) -> int:
     """The draft length with the most expected tokens per unit of time, or 0 if none beats a plain step by
-    ``margin``. Expected tokens for ``d`` drafted: ``1 + first * (1 + then + ... + then^(d-1))`` (the 1 is the
-    target's own token); time: ``1`` for ``d == 0`` and ``1 + jump + slope * d`` otherwise."""
-    best_d, best_gain = 0, 1.0 + margin
-    run, term = 0.0, 1.0  # run = 1 + then + ... + then^(d-1)
-    for d in range(1, available + 1):
-        run += term
-        term *= then
-        gain = (1.0 + first * run) / (1.0 + jump + slope * d)
-        if gain > best_gain:
-            best_d, best_gain = d, gain
-        elif best_d and d > best_d + 2:  # past the peak of a unimodal curve
-            break
-    return best_d
+    ``margin``. ``costs[d]`` is the relative time of a pass with ``d`` drafted tokens (``costs[0] == 1``; its
+    length bounds the draft). Expected tokens for ``d`` drafted: ``1 + first * (1 + then + ... + then^(d-1))``
+    (the 1 is the target's own token). Measured costs need not grow with ``d`` (on this project's CPU a pass of 3
+    drafted tokens is cheaper than one of 2), so every length is weighed."""
+    costs = np.asarray(costs, dtype=np.float64)
+    available = costs.size - 1
+    if available < 1:
+        return 0
+    tokens = 1.0 + first * np.cumsum(then ** np.arange(available, dtype=np.float64))
+    gains = tokens / costs[1:]
+    best = int(np.argmax(gains))  # the shortest of equal bests
+    return best + 1 if gains[best] > 1.0 + margin else 0
 
 
 @dataclass(frozen=True)
@@ -233,12 +280,14 @@ class Offer:
     then: float  # chance each later token is, given the ones before it were
 
 
-def best_batch_length(offers: Sequence[Offer], jump: float, slope: float, margin: float = 0.02) -> int:
+def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], margin: float = 0.02) -> int:
     """One draft length for a batch: each row drafts up to it (a batch pass is as wide as its longest draft, so
-    shorter drafts would save nothing), and the pass costs ``1 + jump + slope * d`` batched plain steps. Returns the
-    length with the most expected tokens per unit of time, or 0 if none beats a plain step by ``margin``."""
+    shorter drafts would save nothing), and a pass with ``d`` drafted positions costs ``costs[d]`` batched plain
+    steps (``costs[0] == 1``). Returns the length with the most expected tokens per unit of time, or 0 if none
+    beats a plain step by ``margin``."""
     rows = len(offers)
-    longest = max((o.tokens.size for o in offers), default=0)
+    costs = np.asarray(costs, dtype=np.float64)
+    longest = min(max((o.tokens.size for o in offers), default=0), costs.size - 1)
     best_d, best_gain = 0, 1.0 + margin
     expected = float(rows)  # the target's own token of every row
     reach = [o.first for o in offers]  # chance that row's draft is accepted up to the current position
@@ -247,11 +296,9 @@ def best_batch_length(offers: Sequence[Offer], jump: float, slope: float, margin
             if o.tokens.size >= d:
                 expected += reach[i]
                 reach[i] *= o.then
-        gain = expected / (rows * (1.0 + jump + slope * d))
+        gain = expected / (rows * costs[d])
         if gain > best_gain:
             best_d, best_gain = d, gain
-        elif best_d and d > best_d + 2:
-            break
     return best_d
 
 
@@ -353,10 +400,10 @@ class DraftSession:
         offer = self.offer(limit)
         if not cfg.adaptive or offer.tokens.size == 0:
             return self.take(offer.tokens.size)
-        jump, slope = self._drafter.cost.relative()
+        costs = self._drafter.cost.costs(offer.tokens.size)
         # Without the guard, the best length >= 1 wins even where it loses to a plain step (every gain is > 0).
         margin = 0.02 if cfg.guard else -1.0
-        return self.take(best_draft_length(offer.first, offer.then, jump, slope, offer.tokens.size, margin))
+        return self.take(best_draft_length(offer.first, offer.then, costs, margin))
 
     def offer(self, limit: int) -> Offer:
         """The longest draft on offer (up to ``limit`` tokens) with its odds, for a caller that chooses the length

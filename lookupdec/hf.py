@@ -1,6 +1,6 @@
 """Everything that touches transformers' ``generate()`` internals, kept in one place.
 
-Two jobs:
+Three jobs:
 
 1. :func:`resolve_generation` turns the arguments of :func:`lookupdec.generate` into the exact logits processors,
    stopping criteria and special tokens plain ``model.generate`` would build, by calling the same (private)
@@ -21,6 +21,8 @@ Two jobs:
    tokens), so this route always drafts at least one token; and it learns the target's vocabulary size (needed
    for ``q`` under sampling) from transformers' own check that the assistant shares the target's vocabulary,
    which a lookup drafter always does because it copies the target's token ids.
+3. :func:`target_forward`: one pass of the target on a ``DynamicCache``, under whichever names this transformers
+   version gives the cache and ``logits_to_keep`` (the loop and the pass-cost calibration share it).
 """
 
 from __future__ import annotations
@@ -262,3 +264,20 @@ def _eos_ids(generation_config: GenerationConfig | None) -> frozenset:
     if isinstance(eos, int):
         return frozenset([eos])
     return frozenset(int(t) for t in eos)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. One target pass
+
+
+def target_forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset, mask=None,
+                   positions=None) -> torch.Tensor:
+    """One target pass over ``ids`` [rows, n] on ``cache``; returns the last ``keep`` logits of each row
+    [rows, keep, vocab]. Batches pass a 2-D ``mask`` over cache + new slots and each row's ``positions``."""
+    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in params else {}
+    # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40).
+    kwargs["cache" if "cache" in params else "past_key_values"] = cache
+    if mask is not None:
+        kwargs.update(attention_mask=mask.long(), position_ids=positions)
+    out = model(input_ids=ids, use_cache=True, **kwargs)
+    return out.logits[:, -keep:]

@@ -44,8 +44,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from .costs import calibrate
 from .drafter import LookupDrafter, best_batch_length
-from .hf import resolve_generation
+from .hf import resolve_generation, target_forward
 from .verify import verify_greedy, verify_sample
 
 
@@ -137,9 +138,13 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     run = _generate if input_ids.shape[0] == 1 else _generate_batch
+    drafter = drafter if drafter is not None else LookupDrafter()
+    config = getattr(drafter, "drafter_config", None)
     with torch.inference_mode():
+        if config is not None and config.calibrate and config.adaptive:
+            calibrate(drafter, model)  # measured once per model, device and thread count; then from memory or disk
         return run(
-            model, input_ids, attention_mask, max_new_tokens, drafter or LookupDrafter(),
+            model, input_ids, attention_mask, max_new_tokens, drafter,
             dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                  repetition_penalty=repetition_penalty),
             generation_config, logits_processor, stopping_criteria, streamer, generator, tokenizer, trace,
@@ -201,7 +206,7 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
 
     session = drafter.start(prompt[0].cpu().numpy(), eos_ids=resolved.eos_ids)
     t0 = time.perf_counter()
-    logits = _forward(model, prompt, cache, 1, params)[0]  # [1, vocab]
+    logits = target_forward(model, prompt, cache, 1, params)[0]  # [1, vocab]
     pass_seconds = time.perf_counter() - t0
     stats.model_seconds += pass_seconds
     stats.target_passes += 1
@@ -238,7 +243,7 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
         feed = seq[:, cur - 1: cur + d]  # [1, d + 1]: last committed token + draft
 
         t0 = time.perf_counter()
-        logits = _forward(model, feed, cache, d + 1, params)[0]  # [d + 1, vocab]
+        logits = target_forward(model, feed, cache, d + 1, params)[0]  # [d + 1, vocab]
         pass_seconds = time.perf_counter() - t0
         stats.model_seconds += pass_seconds
         stats.target_passes += 1
@@ -329,7 +334,7 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
     positions = mask.long().cumsum(-1) - 1
     positions.masked_fill_(~mask, 1)
     t0 = time.perf_counter()
-    logits = _forward(model, input_ids.to(device), cache, 1, params, mask, positions)  # [batch, 1, vocab]
+    logits = target_forward(model, input_ids.to(device), cache, 1, params, mask, positions)  # [batch, 1, vocab]
     pass_seconds = time.perf_counter() - t0
     stats.model_seconds += pass_seconds
     stats.target_passes += 1
@@ -379,7 +384,7 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
         if drafter.drafter_config.adaptive:
             # One length for the batch: the pass is as wide as the longest draft, so every row may fill it.
             margin = 0.02 if drafter.drafter_config.guard else -1.0
-            length = best_batch_length(offers, *cost.relative(), margin=margin)
+            length = best_batch_length(offers, cost.costs(max(o.tokens.size for o in offers)), margin=margin)
         else:
             length = max(offer.tokens.size for offer in offers)
         drafts = [row.session.take(length) for row in active]
@@ -400,7 +405,7 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
         positions = counts[:, None] + torch.arange(span, device=device)
 
         t0 = time.perf_counter()
-        logits = _forward(model, feed, cache, span, params, torch.cat([kv_mask, feed_mask], dim=1),
+        logits = target_forward(model, feed, cache, span, params, torch.cat([kv_mask, feed_mask], dim=1),
                           positions)  # [rows, span, vocab]
         pass_seconds = time.perf_counter() - t0
         cost.observe(span - 1, pass_seconds)
@@ -484,19 +489,6 @@ def _pad_token(resolved) -> int:
         if token is not None:
             return int(token[0] if isinstance(token, (list, tuple)) else token)
     return 0
-
-
-def _forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset, mask=None,
-             positions=None) -> torch.Tensor:
-    """One target pass over ``ids`` [rows, n] on ``cache``; returns the last ``keep`` logits of each row
-    [rows, keep, vocab]. Batches pass a 2-D ``mask`` over cache + new slots and each row's ``positions``."""
-    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in params else {}
-    # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40).
-    kwargs["cache" if "cache" in params else "past_key_values"] = cache
-    if mask is not None:
-        kwargs.update(attention_mask=mask.long(), position_ids=positions)
-    out = model(input_ids=ids, use_cache=True, **kwargs)
-    return out.logits[:, -keep:]
 
 
 def _stop_check(step_tokens, resolved, seq, cur, prompt_len, max_new_tokens) -> tuple:

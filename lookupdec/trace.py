@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .drafter import PassCost
+from .drafter import PassCost, linear_costs
 
 
 @dataclass(frozen=True)
@@ -268,26 +268,26 @@ def plot_tokens_per_pass(traces: Traces, ax=None, *, window: int = 8):
     return ax
 
 
-def expected_speedup(first: float, then: float, jump: float, slope: float, draft_len: int) -> float:
+def expected_speedup(first: float, then: float, costs: Sequence[float], draft_len: int) -> float:
     """Tokens per unit of time for drafts of ``draft_len`` tokens, relative to plain decoding: the quantity
     :func:`lookupdec.drafter.best_draft_length` maximizes. Expected tokens ``1 + first * (1 + then + ... +
-    then^(d-1))``; time ``1`` for ``d == 0``, ``1 + jump + slope * d`` otherwise (in plain steps)."""
+    then^(d-1))``; time ``costs[d]`` plain steps (``costs[0] == 1``)."""
     tokens = 1.0 + first * sum(then**k for k in range(draft_len))
-    return tokens / (1.0 if draft_len == 0 else 1.0 + jump + slope * draft_len)
+    return tokens / float(costs[draft_len])
 
 
 def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first: float | None = None,
                           then: float | None = None, jump: float | None = None, slope: float | None = None,
-                          max_draft: int = 32, measured: float | None = None):
+                          costs: Sequence[float] | None = None, max_draft: int = 32, measured: float | None = None):
     """The cost model's expected speedup over draft length, for the run's acceptance and verification cost, with
     the run marked on it.
 
-    Acceptance (``first``, ``then``) comes from the trace (:class:`TraceSummary`); the cost (``jump``, ``slope``)
-    from ``drafter.cost.relative()`` when a drafter is given, else from a :class:`~lookupdec.drafter.PassCost`
-    fitted to the trace's own pass times. Any of the four may be given instead. The run is marked at its mean
-    draft length and its tokens per pass divided by the model's mean time of its passes (the speedup the cost
-    model credits it with); ``measured`` (e.g. plain time / lookup time) adds the wall-clock speedup at the same
-    draft length. Returns the axes.
+    Acceptance (``first``, ``then``) comes from the trace (:class:`TraceSummary`). The pass cost by draft length
+    is ``costs`` when given, else the straight line ``1 + jump + slope * d`` when both are given, else the
+    drafter's (its measured profile after ``lookupdec.calibrate``, or its running straight-line fit), else a
+    straight line fitted to the trace's own pass times. The run is marked at its mean draft length and its tokens
+    per pass divided by the mean cost of its passes (the speedup the cost model credits it with); ``measured``
+    (e.g. plain time / lookup time) adds the wall-clock speedup at the same draft length. Returns the axes.
     """
     import matplotlib.pyplot as plt
 
@@ -297,19 +297,26 @@ def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first:
     summary = TraceSummary(steps)
     first = summary.first if first is None else first
     then = summary.then if then is None else then
-    if jump is None or slope is None:
+    longest = max([max_draft, *(len(s.draft) for s in steps)])
+    if costs is not None:
+        label = "measured cost"
+        costs = list(costs)
+        if len(costs) <= longest:
+            raise ValueError(f"costs must cover draft lengths 0..{longest}, got {len(costs)} values")
+    elif jump is not None and slope is not None:
+        label = f"jump {jump:.2f}, slope {slope:.3f}"
+        costs = linear_costs(jump, slope, longest)
+    else:
         cost = drafter.cost if drafter is not None else _fitted_cost(steps)
-        fit_jump, fit_slope = cost.relative()
-        jump = fit_jump if jump is None else jump
-        slope = fit_slope if slope is None else slope
+        costs = cost.costs(longest)
+        label = "measured cost" if cost.profile is not None else "jump {:.2f}, slope {:.3f}".format(*cost.relative())
     lengths = list(range(max_draft + 1))
-    curve = [expected_speedup(first, then, jump, slope, d) for d in lengths]
-    ax.plot(lengths, curve, color="tab:blue",
-            label=f"expected (first {first:.2f}, then {then:.2f}, jump {jump:.2f}, slope {slope:.3f})")
+    curve = [expected_speedup(first, then, costs, d) for d in lengths]
+    ax.plot(lengths, curve, color="tab:blue", label=f"expected (first {first:.2f}, then {then:.2f}, {label})")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     if steps:
         mean_d = sum(len(s.draft) for s in steps) / len(steps)
-        mean_time = sum(1.0 if not s.draft else 1.0 + jump + slope * len(s.draft) for s in steps) / len(steps)
+        mean_time = sum(float(costs[len(s.draft)]) for s in steps) / len(steps)
         ax.plot([mean_d], [summary.tokens_per_pass / mean_time], "o", color="tab:red",
                 label=f"this run ({summary.tokens_per_pass:.2f} tokens/pass, mean draft {mean_d:.1f})")
         if measured is not None:

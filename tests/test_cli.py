@@ -84,9 +84,13 @@ class StubEngine:
         self.context = context
         self.close_fence = True  # False: answers run out of budget before closing their fenced block
         self.sections = []  # the sections asked for, in order
+        self.prepared = False
 
     def count_tokens(self, text):
         return len(text.split())
+
+    def prepare(self, say):
+        self.prepared = True  # ModelEngine calibrates its drafter here
 
     def complete(self, prompt, max_new_tokens, method="lookup", streamer=None, drafter=None):
         user = prompt.messages[-1]["content"]
@@ -384,6 +388,12 @@ def test_instruction_sees_the_whole_file_when_it_fits(here, stub):
     assert stub.sections == [SERVICE]
 
 
+@pytest.mark.parametrize("flag, prepared", [([], True), (["--no-lookup"], False)])
+def test_the_drafter_is_calibrated_before_lookup_decoding_only(here, stub, flag, prepared):
+    assert run("reformat", "service.yaml", *flag).exit_code == 0
+    assert stub.prepared == prepared
+
+
 def test_reformat_works_on_top_level_blocks(here, stub):
     result = run("reformat", "service.yaml")
     assert result.exit_code == 0
@@ -509,6 +519,8 @@ def test_real_sigint_during_generation(here):
             context = 2048
             def count_tokens(self, text):
                 return len(text.split())
+            def prepare(self, say):
+                pass
             def complete(self, prompt, max_new_tokens, method="lookup", streamer=None, drafter=None):
                 print("generating", file=sys.stderr, flush=True)
                 time.sleep(60)
@@ -814,7 +826,9 @@ def test_model_writes_a_trace(here, real):
     body = page[page.index('<div class="ld-text">'):]
     text = html.unescape(re.sub(r"<[^>]+>", "", re.sub(r'<span class="ld-rej">.*?</span>', "", body, flags=re.DOTALL)))
     assert text.startswith(result.stdout) and text[len(result.stdout):].startswith("```")
-    assert '<span class="ld-rej">8</span>' in page  # the old port was drafted and rejected at the edit
+    # Drafts that ran past an edit point show their first rejected token struck through (which tokens depends on
+    # the lengths the drafter chose, so on this machine's measured pass cost).
+    assert re.search(r'<span class="ld-rej">[^<]+</span>', body)
     assert leftovers(here) == []
 
 

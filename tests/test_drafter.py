@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lookupdec import DrafterConfig, LookupDrafter, RollingCache
-from lookupdec.drafter import Offer, PassCost, best_batch_length, best_draft_length
+from lookupdec.drafter import Offer, PassCost, best_batch_length, best_draft_length, linear_costs
 
 
 def _session(prompt, **config):
@@ -165,13 +165,44 @@ def test_adaptive_drafter_drafts_long_on_a_faithful_copy():
     (0.5, 0.98, 0.55, 0.05, 32),  # a coin flip whether the copy is right, but if it is, it runs long
 ])
 def test_best_draft_length(first, then, jump, slope, expected):
-    assert best_draft_length(first, then, jump, slope, 32) == expected
+    assert best_draft_length(first, then, linear_costs(jump, slope, 32)) == expected
 
 
 def test_best_draft_length_is_the_argmax_of_expected_tokens_per_time():
     for first, then in ((0.6, 0.6), (0.8, 0.9), (0.5, 0.95)):
         gains = [1.02] + [(1 + first * sum(then**i for i in range(d))) / (1.55 + 0.05 * d) for d in range(1, 33)]
-        assert best_draft_length(first, then, 0.55, 0.05, 32) == int(np.argmax(gains))
+        assert best_draft_length(first, then, linear_costs(0.55, 0.05, 32)) == int(np.argmax(gains))
+
+
+# This project's CPU, one torch thread (lookupdec.calibrate): 2 drafted tokens cost more than 3.
+JAGGED = [1.0, 1.61, 1.98, 1.51, 1.72, 1.75, 1.95, 1.79, 2.01]
+
+
+def test_best_draft_length_weighs_every_length_of_a_jagged_cost_curve():
+    # A short, shaky copy (first token 60%, each next 50%): on this curve 3 drafted tokens cost less than 2, so 3
+    # wins; a straight line through similar end points prices 3 above 2 and picks another length.
+    gains = [(1 + 0.6 * sum(0.5**i for i in range(d))) / JAGGED[d] for d in range(1, 9)]
+    assert best_draft_length(0.6, 0.5, JAGGED) == 1 + int(np.argmax(gains)) == 3
+    assert best_draft_length(0.6, 0.5, linear_costs(0.55, 0.06, 8)) != 3
+    assert best_draft_length(0.2, 0.5, JAGGED) == 0  # nothing beats a plain step
+    assert best_draft_length(0.9, 0.9, JAGGED[:1]) == 0  # no room to draft
+
+
+def test_a_profile_replaces_the_straight_line_and_extends_past_its_end():
+    cost = PassCost()
+    assert cost.costs(3).tolist() == pytest.approx([1.0, *(1 + PassCost.PRIOR_JUMP + PassCost.PRIOR_SLOPE * d
+                                                             for d in (1, 2, 3))])
+    cost.use_profile([2.0, 3.2, 4.0, 3.0, 3.4])  # seconds are fine: it is made relative to d = 0
+    assert cost.costs(4).tolist() == pytest.approx([1.0, 1.6, 2.0, 1.5, 1.7])
+    assert cost.costs(2).tolist() == pytest.approx([1.0, 1.6, 2.0])
+    longer = cost.costs(7)  # past the end: the slope of the profile's last quarter (1.5 -> 1.7 per token)
+    assert longer[:5].tolist() == pytest.approx([1.0, 1.6, 2.0, 1.5, 1.7])
+    assert longer[5:].tolist() == pytest.approx([1.9, 2.1, 2.3])
+    for bad in ([1.0], [1.0, -1.0], [[1.0, 2.0]], [1.0, float("nan")]):
+        with pytest.raises(ValueError, match="pass-cost profile"):
+            cost.use_profile(bad)
+    cost.use_profile(None)
+    assert cost.profile is None and cost.costs(1)[1] == pytest.approx(1 + PassCost.PRIOR_JUMP + PassCost.PRIOR_SLOPE)
 
 
 def test_pass_cost_recovers_the_shape_it_is_shown():
@@ -199,16 +230,17 @@ def test_best_batch_length_is_the_argmax_of_the_batchs_expected_tokens_per_time(
         tokens = 4 + sum(o.first * sum(o.then**i for i in range(min(d, o.tokens.size))) for o in offers)
         return tokens / (4 * (1 + jump + slope * d))
 
-    assert best_batch_length(offers, jump, slope) == int(np.argmax([gain(d) for d in range(33)]))
+    assert best_batch_length(offers, linear_costs(jump, slope, 32)) == int(np.argmax([gain(d) for d in range(33)]))
 
 
 def test_batch_drafts_shrink_as_verification_gets_dearer():
     offers = [_offer(32, 0.8, 0.9)] * 4
-    cheap = best_batch_length(offers, 0.05, 0.02)
-    dear = best_batch_length(offers, 0.4, 0.28)
+    cheap = best_batch_length(offers, linear_costs(0.05, 0.02, 32))
+    dear = best_batch_length(offers, linear_costs(0.4, 0.28, 32))
     assert cheap > dear > 0
-    assert best_batch_length([_offer(32, 0.1, 0.5)] * 4, 0.4, 0.28) == 0  # unlikely copies: a plain step
-    assert best_batch_length([_offer(0, 0.0, 0.0)] * 2, 0.0, 0.0) == 0
+    assert best_batch_length([_offer(32, 0.1, 0.5)] * 4, linear_costs(0.4, 0.28, 32)) == 0  # unlikely copies
+    assert best_batch_length([_offer(0, 0.0, 0.0)] * 2, linear_costs(0.0, 0.0, 32)) == 0
+    assert best_batch_length([_offer(32, 0.9, 0.9)] * 2, linear_costs(0.0, 0.0, 4)) == 4  # costs bound the width
 
 
 def test_offer_then_take_is_propose_with_a_chosen_length():

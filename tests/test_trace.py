@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lookupdec
-from lookupdec.drafter import best_draft_length
+from lookupdec.drafter import LookupDrafter, best_draft_length, linear_costs
 from lookupdec.trace import (
     TraceRecorder,
     TraceStep,
@@ -138,10 +138,14 @@ def test_summary_acceptance_rates_follow_the_drafter_definitions():
 
 def test_expected_speedup_is_what_best_draft_length_maximizes():
     first, then, jump, slope = 0.6, 0.9, 0.55, 0.05
-    gains = [expected_speedup(first, then, jump, slope, d) for d in range(33)]
+    costs = linear_costs(jump, slope, 32)
+    gains = [expected_speedup(first, then, costs, d) for d in range(33)]
     assert gains[0] == 1.0  # no draft: a plain step
     assert gains[1] == pytest.approx((1 + first) / (1 + jump + slope))
-    assert max(range(1, 33), key=gains.__getitem__) == best_draft_length(first, then, jump, slope, 32, margin=0.0)
+    assert max(range(1, 33), key=gains.__getitem__) == best_draft_length(first, then, costs, margin=0.0)
+    jagged = [1.0, 1.6, 2.0, 1.5, 1.7, 1.75, 1.9, 1.8, 2.0]
+    gains = [expected_speedup(0.6, 0.5, jagged, d) for d in range(9)]
+    assert max(range(1, 9), key=gains.__getitem__) == best_draft_length(0.6, 0.5, jagged, margin=0.0) == 3
 
 
 def test_plots_draw_the_curves_and_mark_the_run():
@@ -161,6 +165,16 @@ def test_plots_draw_the_curves_and_mark_the_run():
     assert run.get_xdata()[0] == pytest.approx(5 / 3)
     assert run.get_ydata()[0] == pytest.approx(2.0 / ((1.65 + 1 + 1.6) / 3))  # time 1 + 0.5 + 0.05 d
     assert measured.get_ydata()[0] == 1.3
+    # A measured profile (a calibrated drafter) replaces the straight line, in the curve and in the run's mark.
+    drafter = LookupDrafter()
+    drafter.cost.use_profile([1.0, 2.0, 1.5, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0])
+    curve, _, run = plot_expected_speedup(trace, drafter, max_draft=8).get_lines()
+    assert "measured cost" in curve.get_label()
+    assert curve.get_ydata()[2] == pytest.approx(expected_speedup(trace.summary().first, trace.summary().then,
+                                                                  drafter.cost.costs(8), 2))
+    assert run.get_ydata()[0] == pytest.approx(2.0 / ((1.5 + 1 + 1.5) / 3))  # drafts of 3, 0 and 2 tokens
+    with pytest.raises(ValueError, match="costs must cover"):
+        plot_expected_speedup(trace, costs=[1.0, 2.0], max_draft=8)
     plt.close("all")
 
 

@@ -1,0 +1,110 @@
+"""The pass-cost profile: measured once per model, device and thread count, cached on disk, used by the drafter."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import lookupdec
+from lookupdec import costs as cal
+from lookupdec.drafter import DrafterConfig, LookupDrafter
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKUPDEC_CACHE_DIR", str(tmp_path))
+    return tmp_path / "costs"
+
+
+def test_measured_profile_is_relative_to_a_plain_step_and_leaves_the_global_rng_alone(tiny_factory):
+    model = tiny_factory("llama")
+    state = torch.get_rng_state()
+    profile = cal.measure_pass_costs(model, max_draft=12, rounds=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert profile.shape == (13,) and profile[0] == 1.0
+    assert np.all(np.isfinite(profile)) and profile.min() > 0
+
+
+def test_lengths_are_dense_where_the_curve_is_jagged():
+    assert cal._lengths(5) == [0, 1, 2, 3, 4, 5]
+    assert cal._lengths(32) == list(range(17)) + [20, 24, 28, 32]
+    assert cal._lengths(30) == list(range(17)) + [20, 24, 28, 30]
+    assert cal._lengths(100)[-3:] == [80, 96, 100]
+
+
+def test_the_profile_is_cached_on_disk_and_measured_again_when_asked(tiny_factory, cache_dir, monkeypatch):
+    model = tiny_factory("gpt2")
+    calls = []
+
+    def fake_measure(model, max_draft=32, **kw):
+        calls.append(max_draft)
+        return np.linspace(1.0, 2.0 + len(calls), max_draft + 1)
+
+    monkeypatch.setattr(cal, "measure_pass_costs", fake_measure)
+    first = cal.pass_costs(model, 8)
+    assert calls == [8] and first[-1] == 3.0
+    (path,) = cache_dir.glob("*.json")
+    assert json.loads(path.read_text())["profile"] == pytest.approx(first.tolist())
+    assert not list(cache_dir.glob(".costs-*"))  # the temporary file was renamed into place
+    assert cal.pass_costs(model, 8) is not None and calls == [8]  # from memory
+    cal._memo.clear()
+    assert cal.pass_costs(model, 4).tolist() == pytest.approx(first[:5].tolist()) and calls == [8]  # from disk
+    assert cal.pass_costs(model, 16).size == 17 and calls == [8, 16]  # longer than what was measured: measure
+    assert cal.pass_costs(model, 8, refresh=True)[-1] == 5.0 and calls == [8, 16, 8]  # the third measurement
+
+
+@pytest.mark.parametrize("content", ["not json", '{"version": 1}', '{"version": 0, "profile": [1, 2, 3]}',
+                                     '{"version": 1, "profile": [1, -2, 3, 4, 5, 6, 7, 8, 9]}'])
+def test_an_unreadable_or_stale_cache_file_is_measured_again(tiny_factory, cache_dir, monkeypatch, content):
+    model = tiny_factory("gpt2")
+    cache_dir.mkdir(parents=True)
+    (cache_dir / f"{cal.profile_key(model)}.json").write_text(content)
+    monkeypatch.setattr(cal, "measure_pass_costs", lambda model, max_draft=32, **kw: np.ones(max_draft + 1))
+    assert cal.pass_costs(model, 8).tolist() == [1.0] * 9
+
+
+def test_an_unwritable_cache_only_costs_a_warning(tiny_factory, tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LOOKUPDEC_CACHE_DIR", str(blocker))  # a file where the folder should be
+    monkeypatch.setattr(cal, "measure_pass_costs", lambda model, max_draft=32, **kw: np.ones(max_draft + 1))
+    assert cal.pass_costs(tiny_factory("llama"), 4).size == 5
+    assert "could not cache the pass-cost profile" in caplog.text
+
+
+def test_the_key_changes_with_what_changes_the_curve(tiny_factory):
+    llama, gpt2 = tiny_factory("llama"), tiny_factory("gpt2")
+    assert cal.profile_key(llama) == cal.profile_key(tiny_factory("llama", seed=3))  # weights do not matter
+    assert cal.profile_key(llama) != cal.profile_key(gpt2)
+    threads, before = torch.get_num_threads(), cal.profile_key(llama)
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cal.profile_key(llama) != before
+    finally:
+        torch.set_num_threads(threads)
+    assert cal.profile_key(llama) != cal.profile_key(tiny_factory("llama").to(torch.float64))
+
+
+def test_generate_calibrates_the_drafter_unless_told_not_to(tiny_factory, cache_dir):
+    model = tiny_factory("llama")
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    for config, calibrated in ((DrafterConfig(), True), (DrafterConfig(calibrate=False), False),
+                               (DrafterConfig(adaptive=False), False)):
+        drafter = LookupDrafter(config)
+        lookupdec.generate(model, prompt, max_new_tokens=4, drafter=drafter)
+        assert (drafter.cost.profile is not None) == calibrated
+    assert len(list(cache_dir.glob("*.json"))) == 1
+
+
+def test_calibrate_hands_the_profile_to_a_drafter_for_the_transformers_route(tiny_factory, cache_dir):
+    model = tiny_factory("gpt2")
+    drafter = LookupDrafter(max_draft=8)
+    profile = lookupdec.calibrate(drafter, model)
+    assert profile.size == 9
+    assert drafter.cost.costs(8).tolist() == pytest.approx(profile.tolist())
+
+
+def test_calibrate_is_a_drafter_config_switch():
+    with pytest.raises(ValueError, match="calibrate must be True or False"):
+        DrafterConfig(calibrate="yes")
