@@ -8,7 +8,8 @@ shared machine hits all of them alike. Ratios are computed inside one run, never
 - ``pld_tuned``: prompt lookup with ``--pld-tokens`` / ``--pld-ngram`` (default 20 / 3, the best of a small sweep on
   YAML edits; ``--pld-sweep`` reruns that sweep on the copy-heavy prompts and uses its winner)
 - ``lookupdec``: ``lookupdec.generate`` with a fresh ``LookupDrafter`` per request (no cross-request cache help)
-- ``lookupdec_hf``: ``model.generate(assistant_model=LookupDrafter())`` (transformers' loop)
+- ``lookupdec_hf``: ``model.generate(assistant_model=drafter)`` (transformers' loop), the drafter calibrated with
+  ``lookupdec.calibrate`` as ``lookupdec.generate`` does on its own
 - ``oracle``: ``lookupdec.generate`` with a drafter that knows the greedy output and drafts up to 32 tokens: the
   ceiling any lookup drafter can reach on this hardware with this loop.
 
@@ -48,6 +49,7 @@ from workloads import COPY_HEAVY, SUITES
 
 import lookupdec
 from lookupdec import LookupDrafter
+from lookupdec.costs import pass_costs
 from lookupdec.models import load_model
 
 SYSTEMS = ("greedy", "pld", "pld_tuned", "lookupdec", "lookupdec_hf", "oracle")
@@ -122,7 +124,10 @@ def run_system(system, model, ids, args, counter, answer, pld):
             out = model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=pld[0],
                                  max_matching_ngram_size=pld[1], **kw)
         elif system == "lookupdec_hf":
-            out = model.generate(ids, attention_mask=mask, assistant_model=LookupDrafter(**args.drafter), **kw)
+            drafter = LookupDrafter(**args.drafter)
+            if drafter.drafter_config.calibrate:  # as lookupdec.generate does on its own (from memory after warm-up)
+                lookupdec.calibrate(drafter, model)
+            out = model.generate(ids, attention_mask=mask, assistant_model=drafter, **kw)
         else:
             drafter = OracleDrafter(answer) if system == "oracle" else LookupDrafter(**args.drafter)
             gen = torch.Generator().manual_seed(args.seed) if args.sample else None
@@ -227,6 +232,9 @@ def markdown(rows, suite_rows, systems, meta):
         " | lookupdec vs pld | vs pld_tuned | of oracle | tok/pass | draft time | identical |"
     lines = [f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, {meta['mode']}, "
              f"max_new_tokens={meta['max_new_tokens']}, reps={meta['reps']}, prompt lookup tuned={meta['pld_tuned']}",
+             *([("Pass cost by draft length d = 0..8, 16, 32 (lookupdec.calibrate, in plain steps): "
+                 + ", ".join(f"{meta['pass_costs'][d]:.2f}" for d in (*range(9), 16, 32)))]
+               if len(meta.get("pass_costs", ())) > 32 else []),
              "", "Per suite (medians over prompts; `x` = speedup over plain greedy in the same run):", "", head,
              "|" + "---|" * (head.count("|") - 1)]
 
@@ -382,6 +390,8 @@ def main(argv=None):
         "reps": args.reps, "pld_tuned": list(pld), "seconds": round(time.perf_counter() - started, 1),
         "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "drafter": args.drafter,
+        # The pass cost the lookupdec drafters were calibrated with (measured once per model and thread count).
+        "pass_costs": [round(float(c), 3) for c in pass_costs(model)],
     }
     meta["systems"] = systems
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))

@@ -3,8 +3,10 @@
 Under greedy decoding the target's output is fixed, so how many tokens a draft gets accepted does not depend on the
 machine: it is the longest common prefix of the draft and the true continuation. This script computes the greedy
 outputs once (cached in ``--out``), then replays each drafter step by step and charges every pass a relative cost
-from a pass-cost model (default: the shape measured on a 2-core CPU with the embedded model, ``1`` for a plain step
-and ``1.55 + 0.05 * d`` for ``d`` drafted tokens; ``--measure-cost`` re-measures it on this machine).
+from a pass-cost model (default: a straight line fitted on a 2-core CPU with the embedded model, ``1`` for a plain
+step and ``1.55 + 0.05 * d`` for ``d`` drafted tokens; ``--measure-cost`` charges what ``lookupdec.calibrate``
+measures on this machine, at every draft length, and calibrates the drafters with it as ``lookupdec.generate``
+does).
 
 It is a tuning tool: the wall-clock truth is ``benchmarks/run.py``. Where both were run, they agree on the ranking.
 
@@ -14,6 +16,7 @@ Examples::
     python benchmarks/simulate.py --suites yaml code --per-suite 0
     python benchmarks/simulate.py --measure-cost
     python benchmarks/simulate.py --ablate --ablate-out /tmp/ablate/ablation.md
+    python benchmarks/simulate.py --ablate --measure-cost --ablate-out /tmp/ablate/ablation.md
     python benchmarks/simulate.py --trees --trees-out /tmp/ablate/trees.md
 """
 
@@ -23,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,7 @@ from run import encode, pick_prompts
 from workloads import SUITES
 
 from lookupdec import LookupDrafter
+from lookupdec.costs import pass_costs
 from lookupdec.models import load_model
 
 
@@ -43,25 +46,14 @@ def cpu_cost(d: int) -> float:
     return 1.0 if d == 0 else 1.55 + 0.05 * d
 
 
-def measure_cost(model, lengths=(0, 1, 2, 4, 8, 16, 32, 48)) -> dict:
-    """Median time of one pass with ``d`` drafted tokens on a 300-token cache, relative to a plain step."""
-    from transformers import DynamicCache
+class MeasuredCost:
+    """The pass cost ``lookupdec.calibrate`` measured on this machine (for this process's torch thread count)."""
 
-    ids = torch.randint(100, 10000, (1, 300))
-    out = {}
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids, cache=cache, logits_to_keep=1)
-        for d in lengths:
-            times = []
-            for _ in range(7):
-                feed = torch.randint(100, 10000, (1, d + 1))
-                start = time.perf_counter()
-                model(input_ids=feed, cache=cache, logits_to_keep=d + 1)
-                times.append(time.perf_counter() - start)
-                cache.crop(-(d + 1))
-            out[d] = statistics.median(times)
-    return {d: t / out[0] for d, t in out.items()}
+    def __init__(self, profile):
+        self.profile = np.asarray(profile, dtype=np.float64)
+
+    def __call__(self, d: int) -> float:
+        return float(self.profile[min(d, self.profile.size - 1)])
 
 
 def replay(session_factory, prompt: list, answer: list, cost, eos: int, branches: int = 1,
@@ -154,6 +146,8 @@ class _LookupFactory:
     def __init__(self, cost, eos, shared=False, **config):
         self.cost, self.eos, self.shared, self.config = cost, eos, shared, config
         self.drafter = None
+        # The drafter is calibrated (as lookupdec.generate does) when the simulation charges a measured profile.
+        self.profile = getattr(cost, "profile", None) if config.get("calibrate", True) else None
 
     def reset(self):
         self.drafter = None
@@ -161,6 +155,8 @@ class _LookupFactory:
     def __call__(self, prompt):
         if self.drafter is None or not self.shared:
             self.drafter = LookupDrafter(**self.config)
+            if self.profile is not None:
+                self.drafter.cost.use_profile(self.profile)
         drafter = self.drafter
         session = drafter.start(prompt, eos_ids=[self.eos])
         session.observe = lambda d, t: drafter.cost.observe(d, t)
@@ -210,6 +206,7 @@ class _OracleSession:
 # would), so the cross-request cache has earlier outputs to copy from; "fresh drafter" is run.py's setting.
 ABLATIONS = {
     "lookupdec (all on)": {"shared": True},
+    "calibrated cost off (straight-line fit)": {"shared": True, "calibrate": False},
     "cursor off": {"shared": True, "cursor": False},
     "guard off": {"shared": True, "guard": False},
     "adaptive off (32-token drafts)": {"shared": True, "adaptive": False},
@@ -247,7 +244,10 @@ def ablate(prompts, cost, eos, out: Path) -> str:
     names = [*systems, "oracle"]
     suites = list(dict.fromkeys(r["suite"] for r in rows))
     counts = {s: sum(r["suite"] == s for r in rows) for s in suites}
-    lines = [(f"Simulated (cpu cost model: 1 per plain step, 1.55 + 0.05 d per pass with d drafted tokens), "
+    model = ("the pass costs measured on this machine (lookupdec.calibrate): "
+             + ", ".join(f"d={d} {cost(d):.2f}" for d in (1, 2, 3, 4, 8, 16, 32))
+             if isinstance(cost, MeasuredCost) else "1 per plain step, 1.55 + 0.05 d per pass with d drafted tokens")
+    lines = [(f"Simulated (cost model: {model}), "
               f"replaying cached greedy outputs of {len(rows)} prompts; medians over each suite's prompts."), ""]
     for what, col in (("simulated speedup over greedy", 0), ("tokens per pass (the target's own token included)", 1)):
         head = f"| {what} | " + " | ".join(f"{s} ({counts[s]})" for s in suites) + " | all |"
@@ -321,7 +321,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--measure-cost", action="store_true")
+    ap.add_argument("--measure-cost", action="store_true",
+                    help="charge the pass costs lookupdec.calibrate measures on this machine (and calibrate the "
+                         "drafters with them) instead of the fixed straight-line model")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads while measuring the pass cost")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--ablate", action="store_true",
                     help="switch each drafting mechanism off in turn; replays cached greedy outputs only")
@@ -333,15 +336,12 @@ def main(argv=None):
     if args.quick:
         args.per_suite = 2
     args.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     cost = cpu_cost
     if args.measure_cost:
-        table = measure_cost(model)
-        print("measured relative pass cost:", {d: round(c, 2) for d, c in table.items()})
-        ds = sorted(table)
-
-        def cost(d):
-            return float(np.interp(d, ds, [table[x] for x in ds]))
+        cost = MeasuredCost(pass_costs(model, 128))
+        print("measured relative pass cost (lookupdec.calibrate):", np.round(cost.profile[:33], 2).tolist())
 
     cache_file = args.out / f"greedy_{(args.model or 'smollm2').replace('/', '_')}_{args.max_new_tokens}.json"
     cached = json.loads(cache_file.read_text()) if cache_file.exists() else {}
