@@ -394,15 +394,17 @@ class DraftSession:
         self._offered: tuple = (None, -1, EMPTY)  # (bucket, src, candidate) of the last offer
         self._finished = False
 
-    def propose(self, limit: int) -> np.ndarray:
-        """Up to ``limit`` draft tokens (int32, possibly empty) to verify next."""
+    def propose(self, limit: int, *, must_draft: bool = False) -> np.ndarray:
+        """Up to ``limit`` draft tokens (int32, possibly empty) to verify next. ``must_draft``: the caller cannot
+        verify an empty draft (transformers' loop), so when there is a candidate the best length of at least one
+        token is drafted even where a plain step would pay better; empty still means no candidate at all."""
         cfg = self._drafter.drafter_config
         offer = self.offer(limit)
         if not cfg.adaptive or offer.tokens.size == 0:
             return self.take(offer.tokens.size)
         costs = self._drafter.cost.costs(offer.tokens.size)
         # Without the guard, the best length >= 1 wins even where it loses to a plain step (every gain is > 0).
-        margin = 0.02 if cfg.guard else -1.0
+        margin = 0.02 if cfg.guard and not must_draft else -1.0
         return self.take(best_draft_length(offer.first, offer.then, costs, margin))
 
     def offer(self, limit: int) -> Offer:

@@ -225,9 +225,10 @@ def _assistant_generate(
             state.session.finish()
         state.session = drafter.start(seq, eos_ids=eos)
     state.sequence = seq
-    draft = state.session.propose(max_new_tokens)
+    # transformers cannot verify an empty candidate (module docstring): when drafting would not pay, the pass
+    # is paid anyway, so draft the length that pays best in it; with no candidate, offer the likeliest token.
+    draft = state.session.propose(max_new_tokens, must_draft=True)
     if len(draft) == 0 and max_new_tokens > 0:
-        # transformers cannot verify an empty candidate (module docstring): offer the likeliest single token.
         draft = state.session.fallback_token()
     state.last_draft = draft
     state.last_call = time.perf_counter()

@@ -142,6 +142,25 @@ def test_without_the_guard_the_drafter_keeps_drafting_where_drafts_fail():
     assert min(lengths[False]) >= 1 and max(lengths[False][-20:]) < 16, lengths[False]
 
 
+def test_a_caller_that_must_draft_gets_the_length_that_pays_best_in_a_pass_it_pays_anyway():
+    # transformers' loop cannot verify an empty draft. Where the guard would draft nothing, must_draft drafts the
+    # best length of at least one token under the cost curve: here 3, the cheapest pass of this jagged profile.
+    rng = np.random.default_rng(0)
+    drafter = LookupDrafter(use_cache=False)
+    drafter.cost.use_profile([1.0, 1.6, 2.0, 1.5, 1.7, 1.75, 1.95, 1.8, 2.0] + [2.0 + 0.1 * d for d in range(1, 25)])
+    session = drafter.start(rng.integers(0, 4, size=200).astype(np.int32))  # a candidate is always on offer
+    skipped = 0
+    for _ in range(40):  # every draft fails at its first token: copies stop paying
+        draft = session.propose(16)
+        skipped += draft.size == 0
+        session.commit([(draft[0] + 1) % 4 if draft.size else rng.integers(0, 4)], accepted=0)
+    assert skipped  # the guard: a plain step pays better
+    while session.propose(16).size:
+        session.commit([rng.integers(0, 4)], accepted=0)
+    assert session.propose(16, must_draft=True).size == 3
+    assert LookupDrafter(use_cache=False).start([1, 2, 3]).propose(8, must_draft=True).size == 0  # no candidate
+
+
 def test_adaptive_drafter_drafts_long_on_a_faithful_copy():
     drafter = LookupDrafter(use_cache=False)
     source = np.arange(1000, 1400, dtype=np.int32)
