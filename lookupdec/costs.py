@@ -47,7 +47,7 @@ PROFILE_VERSION = 1  # bump when the measurement changes meaning; old files are 
 CONTEXT = 256  # tokens of synthetic context the passes run on (the curve barely moves between 300 and 1000)
 ROUNDS = 3  # interleaved timing rounds per length; the median is kept
 
-_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: profile}
+_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(threads, device, dtype): profile}
 _memo_lock = threading.Lock()
 
 
