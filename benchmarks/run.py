@@ -49,7 +49,7 @@ from workloads import COPY_HEAVY, SUITES
 
 import lookupdec
 from lookupdec import LookupDrafter
-from lookupdec.costs import pass_costs
+from lookupdec.costs import calibrate_or_warn, pass_costs
 from lookupdec.models import load_model
 
 SYSTEMS = ("greedy", "pld", "pld_tuned", "lookupdec", "lookupdec_hf", "oracle")
@@ -125,8 +125,7 @@ def run_system(system, model, ids, args, counter, answer, pld):
                                  max_matching_ngram_size=pld[1], **kw)
         elif system == "lookupdec_hf":
             drafter = LookupDrafter(**args.drafter)
-            if drafter.drafter_config.calibrate:  # as lookupdec.generate does on its own (from memory after warm-up)
-                lookupdec.calibrate(drafter, model)
+            calibrate_or_warn(drafter, model)  # as lookupdec.generate does on its own (from memory after warm-up)
             out = model.generate(ids, attention_mask=mask, assistant_model=drafter, **kw)
         else:
             drafter = OracleDrafter(answer) if system == "oracle" else LookupDrafter(**args.drafter)
@@ -391,7 +390,9 @@ def main(argv=None):
         "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "drafter": args.drafter,
         # The pass cost the lookupdec drafters were calibrated with (measured once per model and thread count).
-        "pass_costs": [round(float(c), 3) for c in pass_costs(model)],
+        "pass_costs": ([round(float(c), 3) for c in pass_costs(model)]
+                       if args.drafter.get("calibrate", True) and {"lookupdec", "lookupdec_hf"} & set(systems)
+                       else []),
     }
     meta["systems"] = systems
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))

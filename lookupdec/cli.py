@@ -688,9 +688,9 @@ class ModelEngine:
     def prepare(self, say) -> None:
         """Calibrate the drafter to this model's pass cost by draft length: measured once per model, device and
         thread count (saying so, since it takes a few seconds), then read from the cache."""
-        from lookupdec.costs import calibrate
+        from lookupdec.costs import calibrate_or_warn
 
-        calibrate(self.drafter, self.model, on_measure=lambda: say(
+        calibrate_or_warn(self.drafter, self.model, on_measure=lambda: say(
             "measuring this model's pass cost by draft length (once per machine and model, a few seconds)"))
 
     def encode(self, prompt: Prompt):

@@ -5,7 +5,7 @@ Whether a draft pays depends on what verifying it costs, and that curve is a pro
 and the math library, not of the text. On this project's 2-core CPU (SmolLM2-135M, fp32, one torch thread) it is
 far from a straight line: MKL runs matrix products with 2 or 3 rows as that many matrix-vector products and only
 from 4 rows on as a matrix-matrix product, so a pass with 2 drafted tokens (3 rows fed) costs about 2.0 plain
-steps while one with 3 drafted tokens costs about 1.55; with two threads the whole curve is flatter (32 drafted
+steps while one with 3 drafted tokens costs about 1.5; with two threads the whole curve is flatter (32 drafted
 tokens: 2.5 steps instead of 3.8). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
 a pass at every draft length up to 16 and every fourth one beyond (interpolated between), on a synthetic context,
 and keeps the result in ``cache_dir()/costs/`` keyed by everything that changes it.
@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import tempfile
 import threading
 import time
@@ -43,76 +42,131 @@ from .models import cache_dir
 
 _log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1  # bump when the measurement changes meaning; old files are then measured again
+PROFILE_VERSION = 2  # bump when the measurement changes meaning; old files are then measured again
 CONTEXT = 256  # tokens of synthetic context the passes run on (the curve barely moves between 300 and 1000)
-ROUNDS = 3  # interleaved timing rounds per length; the median is kept
+ROUNDS = 3  # interleaved timing rounds per length at least; the fastest is kept
+MAX_ROUNDS = 15  # ... and at most, while they fit in BUDGET_S
+BUDGET_S = 4.0  # seconds of timed rounds a fast model may spend on more samples
 
 _memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(threads, device, dtype): profile}
-_memo_lock = threading.Lock()
+_memo_lock = threading.Lock()  # guards _memo and _key_locks only, never held while measuring
+_key_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {local key: Lock}
 
 
 def calibrate(drafter: LookupDrafter, model, *, refresh: bool = False, on_measure=None) -> np.ndarray:
     """Give ``drafter`` the measured pass-cost profile of ``model`` (measured now, or read from the cache) and
     return it: ``profile[d]`` is the time of a pass with ``d`` drafted tokens relative to a plain step.
-    ``on_measure()`` is called before a measurement (not when the profile is known), e.g. to say why it waits."""
+    ``on_measure()`` is called before a measurement (not when the profile is known), e.g. to say why it waits.
+    Raises what measuring raises (``ValueError`` for a model whose context is too short to measure in);
+    :func:`lookupdec.generate` catches that, warns, and keeps the straight-line fit."""
     profile = pass_costs(model, drafter.drafter_config.max_draft, refresh=refresh, on_measure=on_measure)
-    drafter.cost.use_profile(profile)
+    drafter.cost.use_profile(profile, source=model)
     return profile
 
 
+def calibrate_or_warn(drafter: LookupDrafter, model, on_measure=None) -> None:
+    """What :func:`lookupdec.generate` and the CLI run before decoding: calibrate ``drafter`` to ``model`` unless
+    its config says not to (``calibrate=False``, or ``adaptive=False``: it does not choose lengths) or the caller
+    set a profile of its own. A calibration that fails only costs the measured curve: a warning, and the drafter
+    keeps its straight-line fit."""
+    config = getattr(drafter, "drafter_config", None)
+    if not (getattr(config, "calibrate", False) and getattr(config, "adaptive", False)):
+        return
+    if drafter.cost.profile is not None and drafter.cost.profile_source is None:
+        return  # set by hand with use_profile(): the caller knows better
+    if drafter.cost.profile_source is model:
+        return  # already calibrated to this model (the memo would answer too, but this skips the key)
+    try:
+        calibrate(drafter, model, on_measure=on_measure)
+    except Exception as err:  # noqa: BLE001 - any failure here must not stop generation
+        _log.warning("could not measure the pass cost of %s (%s); drafting with a straight-line cost model",
+                     type(model).__name__, err)
+
+
 def pass_costs(model, max_draft: int = 32, *, refresh: bool = False, on_measure=None) -> np.ndarray:
-    """``profile[d]`` for ``d = 0 .. max_draft``: the median time of one target pass with ``d`` drafted tokens,
-    relative to a plain step, on this model, device, dtype and torch thread count. Read from
-    ``cache_dir()/costs/`` when measured before (``refresh`` measures again), kept in memory per model."""
+    """``profile[d]`` for ``d = 0 .. max_draft`` (a new array): the time of one target pass with ``d`` drafted
+    tokens, relative to a plain step, on this model, device, dtype and torch thread count. Read from
+    ``cache_dir()/costs/`` when measured before (``refresh`` measures again), kept in memory per model. Other
+    models and threads are not held up while one model is measured."""
+    if max_draft < 1:
+        raise ValueError(f"max_draft must be >= 1, got {max_draft}")
     # What can change between calls on one model object; the full key (config, versions) is computed on a miss.
     local = (torch.get_num_threads(), str(model.device), str(model.dtype))
     with _memo_lock:
-        known = _memo.setdefault(model, {}).get(local)
+        known = _memo.get(model, {}).get(local)
         if known is not None and known.size > max_draft and not refresh:
-            return known[: max_draft + 1]
+            return known[: max_draft + 1].copy()
+        lock = _key_locks.setdefault(model, {}).setdefault(local, threading.Lock())
+    with lock:  # one measurement per model and key at a time; a caller that waited finds it done
+        with _memo_lock:
+            known = _memo.get(model, {}).get(local)
+        if known is not None and known.size > max_draft and not refresh:
+            return known[: max_draft + 1].copy()
         path = cache_dir() / "costs" / f"{profile_key(model)}.json"
         profile = None if refresh else _read(path, max_draft)
         if profile is None:
             if on_measure is not None:
                 on_measure()
+            _log.info("measuring the pass cost of %s by draft length (once; cached in %s)", type(model).__name__,
+                      path.parent)
             started = time.perf_counter()
             profile = measure_pass_costs(model, max_draft)
             _log.info("measured the pass-cost profile of %s in %.1f s: %s", type(model).__name__,
                       time.perf_counter() - started, np.round(profile, 2).tolist())
             _write(path, profile)
-        _memo[model][local] = profile
-        return profile[: max_draft + 1]
+        with _memo_lock:
+            _memo.setdefault(model, {})[local] = profile
+        return profile[: max_draft + 1].copy()
 
 
-def measure_pass_costs(model, max_draft: int = 32, *, context: int = CONTEXT, rounds: int = ROUNDS) -> np.ndarray:
+def measure_pass_costs(model, max_draft: int = 32, *, context: int = CONTEXT, rounds: int = ROUNDS,
+                       budget_s: float = BUDGET_S) -> np.ndarray:
     """Time target passes of ``d + 1`` tokens on a ``context``-token cache for ``d`` in :func:`_lengths`, in
-    ``rounds`` interleaved rounds (after one untimed warm-up round); returns the medians relative to ``d == 0``,
-    interpolated to every ``d = 0 .. max_draft``. Uses its own generator: the global RNG is left alone."""
+    interleaved rounds after one untimed warm-up round: ``rounds`` of them, or more while they fit in
+    ``budget_s`` seconds (fast models get more samples), at most ``MAX_ROUNDS``. Keeps each length's fastest time
+    (interference from other work only ever adds time), relative to ``d == 0``, interpolated to every ``d = 0 ..
+    max_draft``. Uses its own generator: the global RNG is left alone. ``ValueError`` when the model's context
+    cannot hold the passes, or the timings make no sense."""
+    if max_draft < 1 or rounds < 1:
+        raise ValueError(f"need max_draft >= 1 and rounds >= 1, got {max_draft} and {rounds}")
     lengths = _lengths(max_draft)
-    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    text = model.config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None) or 1 << 30
+    if limit < max_draft + 3:
+        raise ValueError(f"a context of {limit} positions cannot hold a {max_draft}-token draft after a prompt")
     context = max(1, min(context, limit - max_draft - 2))
-    vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     device = model.device
     params = frozenset(inspect.signature(model.forward).parameters)
     times = {d: [] for d in lengths}
+
+    def one_round(timed: bool) -> float:
+        started = time.perf_counter()
+        for d in lengths:
+            feed = torch.randint(text.vocab_size, (1, d + 1), generator=generator).to(device)
+            start = time.perf_counter()
+            # .item() waits for the pass on any device (CUDA, MPS, XPU, a model split over several GPUs).
+            target_forward(model, feed, cache, d + 1, params)[0, -1, 0].item()
+            if timed:
+                times[d].append(time.perf_counter() - start)
+            cache.crop(-(d + 1))
+        return time.perf_counter() - started
+
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         if hasattr(cache, "activate_past_recording"):
             cache.activate_past_recording()
-        target_forward(model, torch.randint(vocab, (1, context), generator=generator).to(device), cache, 1, params)
-        for round_ in range(rounds + 1):
-            for d in lengths:
-                feed = torch.randint(vocab, (1, d + 1), generator=generator).to(device)
-                _sync(device)
-                start = time.perf_counter()
-                target_forward(model, feed, cache, d + 1, params)
-                _sync(device)
-                if round_:  # round 0 warms up every shape
-                    times[d].append(time.perf_counter() - start)
-                cache.crop(-(d + 1))
-    medians = np.array([statistics.median(times[d]) for d in lengths])
-    return np.interp(np.arange(max_draft + 1), lengths, medians / medians[0])
+        target_forward(model, torch.randint(text.vocab_size, (1, context), generator=generator).to(device), cache,
+                       1, params)
+        one_round(timed=False)  # warms up every shape
+        spent, done = 0.0, 0
+        while done < rounds or (done < MAX_ROUNDS and spent + spent / done <= budget_s):
+            spent += one_round(timed=True)
+            done += 1
+    fastest = np.array([min(times[d]) for d in lengths])
+    if not np.all(np.isfinite(fastest)) or fastest.min() <= 0:
+        raise ValueError(f"pass timings make no sense: {fastest.tolist()}")
+    return np.interp(np.arange(max_draft + 1), lengths, fastest / fastest[0])
 
 
 def profile_key(model) -> str:
@@ -123,7 +177,8 @@ def profile_key(model) -> str:
     parts = {
         "version": PROFILE_VERSION,
         "class": type(model).__qualname__,
-        "config": model.config.to_json_string(use_diff=False),
+        "config": json.dumps({k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"},
+                             sort_keys=True, default=str),
         "dtype": str(model.dtype),
         "device": str(model.device),
         "threads": torch.get_num_threads() if model.device.type == "cpu" else 0,
@@ -145,13 +200,6 @@ def _lengths(max_draft: int) -> list[int]:
     if lengths[-1] != max_draft:
         lengths.append(max_draft)
     return lengths
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 @functools.lru_cache(maxsize=1)
@@ -187,6 +235,7 @@ def _write(path, profile: np.ndarray) -> None:
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump({"version": PROFILE_VERSION, "profile": profile.tolist()}, f)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache folder may be shared
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)

@@ -30,6 +30,7 @@ None of this can change what the target outputs: it only decides which tokens th
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -182,6 +183,7 @@ class PassCost:
         self._plain = np.zeros(2)  # weight, sum t over d == 0
         self._draft = np.zeros(5)  # weight, sum d, sum t, sum d*d, sum d*t over d >= 1
         self._profile = None  # measured relative cost per draft length, when calibrated
+        self._source = None  # weak reference to the model lookupdec.calibrate measured the profile on
         self._lock = threading.Lock()
 
     def observe(self, draft_len: int, seconds: float) -> None:
@@ -201,28 +203,36 @@ class PassCost:
         if profile is None:
             return linear_costs(*self.relative(), available)
         if available < profile.size:
-            return profile[: available + 1]
+            return profile[: available + 1].copy()
         # Past the measured lengths: the slope of the profile's last quarter, which is where it is straight.
         last = profile.size - 1
         ref = max(1, last - max(1, last // 4))
         slope = max((profile[last] - profile[ref]) / (last - ref), 0.0) if last > ref else 0.0
         return np.concatenate([profile, profile[last] + slope * np.arange(1, available - last + 1)])
 
-    def use_profile(self, profile) -> None:
+    def use_profile(self, profile, source=None) -> None:
         """Price drafts with ``profile[d]``, the measured time of a pass with ``d`` drafted tokens relative to a
-        plain step (``lookupdec.calibrate``); ``None`` goes back to the online straight-line fit. Beyond the
-        profile's last length the cost grows by its last step's slope."""
+        plain step; ``None`` goes back to the online straight-line fit. Beyond the profile's last length the cost
+        grows by the slope of its last quarter. ``source`` is the model ``lookupdec.calibrate`` measured it on
+        (``None``: set by hand, and then ``lookupdec.generate`` leaves it alone)."""
         if profile is None:
-            self._profile = None
+            self._profile, self._source = None, None
             return
         profile = np.asarray(profile, dtype=np.float64)
         if profile.ndim != 1 or profile.size < 2 or not np.all(np.isfinite(profile)) or profile.min() <= 0:
             raise ValueError(f"a pass-cost profile is a 1-D array of >= 2 positive costs, got {profile!r}")
         self._profile = profile / profile[0]
+        self._source = weakref.ref(source) if source is not None else None
 
     @property
     def profile(self) -> np.ndarray | None:
-        return self._profile
+        return None if self._profile is None else self._profile.copy()
+
+    @property
+    def profile_source(self):
+        """The model the profile was measured on by ``lookupdec.calibrate``, or ``None`` (no profile, one set by
+        hand, or a model that no longer exists)."""
+        return self._source() if self._source is not None else None
 
     def relative(self) -> tuple:
         """``(jump, slope)`` with ``time(d) / time(0) = 1 + jump + slope * d`` for ``d >= 1``."""
@@ -255,13 +265,20 @@ def linear_costs(jump: float, slope: float, available: int) -> np.ndarray:
     return costs
 
 
-def best_draft_length(first: float, then: float, costs: Sequence[float], margin: float = 0.02) -> int:
+def _cost_curve(costs) -> np.ndarray:
+    costs = np.asarray(costs, dtype=np.float64)
+    if costs.ndim != 1 or costs.size < 1:
+        raise ValueError(f"costs must list the relative pass cost of draft lengths 0, 1, ..., got {costs!r}")
+    return costs
+
+
+def best_draft_length(first: float, then: float, costs: Sequence[float], *, margin: float = 0.02) -> int:
     """The draft length with the most expected tokens per unit of time, or 0 if none beats a plain step by
     ``margin``. ``costs[d]`` is the relative time of a pass with ``d`` drafted tokens (``costs[0] == 1``; its
     length bounds the draft). Expected tokens for ``d`` drafted: ``1 + first * (1 + then + ... + then^(d-1))``
     (the 1 is the target's own token). Measured costs need not grow with ``d`` (on this project's CPU a pass of 3
     drafted tokens is cheaper than one of 2), so every length is weighed."""
-    costs = np.asarray(costs, dtype=np.float64)
+    costs = _cost_curve(costs)
     available = costs.size - 1
     if available < 1:
         return 0
@@ -280,13 +297,13 @@ class Offer:
     then: float  # chance each later token is, given the ones before it were
 
 
-def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], margin: float = 0.02) -> int:
+def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], *, margin: float = 0.02) -> int:
     """One draft length for a batch: each row drafts up to it (a batch pass is as wide as its longest draft, so
     shorter drafts would save nothing), and a pass with ``d`` drafted positions costs ``costs[d]`` batched plain
     steps (``costs[0] == 1``). Returns the length with the most expected tokens per unit of time, or 0 if none
     beats a plain step by ``margin``."""
     rows = len(offers)
-    costs = np.asarray(costs, dtype=np.float64)
+    costs = _cost_curve(costs)
     longest = min(max((o.tokens.size for o in offers), default=0), costs.size - 1)
     best_d, best_gain = 0, 1.0 + margin
     expected = float(rows)  # the target's own token of every row
@@ -405,7 +422,7 @@ class DraftSession:
         costs = self._drafter.cost.costs(offer.tokens.size)
         # Without the guard, the best length >= 1 wins even where it loses to a plain step (every gain is > 0).
         margin = 0.02 if cfg.guard and not must_draft else -1.0
-        return self.take(best_draft_length(offer.first, offer.then, costs, margin))
+        return self.take(best_draft_length(offer.first, offer.then, costs, margin=margin))
 
     def offer(self, limit: int) -> Offer:
         """The longest draft on offer (up to ``limit`` tokens) with its odds, for a caller that chooses the length

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .costs import calibrate
+from .costs import calibrate_or_warn
 from .drafter import LookupDrafter, best_batch_length
 from .hf import resolve_generation, target_forward
 from .verify import verify_greedy, verify_sample
@@ -138,13 +138,9 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     run = _generate if input_ids.shape[0] == 1 else _generate_batch
-    drafter = drafter if drafter is not None else LookupDrafter()
-    config = getattr(drafter, "drafter_config", None)
     with torch.inference_mode():
-        if config is not None and config.calibrate and config.adaptive:
-            calibrate(drafter, model)  # measured once per model, device and thread count; then from memory or disk
         return run(
-            model, input_ids, attention_mask, max_new_tokens, drafter,
+            model, input_ids, attention_mask, max_new_tokens, drafter if drafter is not None else LookupDrafter(),
             dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                  repetition_penalty=repetition_penalty),
             generation_config, logits_processor, stopping_criteria, streamer, generator, tokenizer, trace,
@@ -204,6 +200,7 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    started += _calibrate(drafter, model)
     session = drafter.start(prompt[0].cpu().numpy(), eos_ids=resolved.eos_ids)
     t0 = time.perf_counter()
     logits = target_forward(model, prompt, cache, 1, params)[0]  # [1, vocab]
@@ -263,6 +260,14 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
     stats.total_seconds = time.perf_counter() - started
     return LookupOutput(sequences=out.clone(), stats=stats)
 
+
+
+def _calibrate(drafter, model) -> float:
+    """Calibrate the drafter's pass cost (measured once per model, device and thread count, then from memory or
+    disk); returns the seconds it took, which the stats leave out: a one-time measurement is not generation."""
+    t0 = time.perf_counter()
+    calibrate_or_warn(drafter, model)
+    return time.perf_counter() - t0
 
 
 _COMPACT_SLACK = 64  # cache slots of holes tolerated beyond the longest row's tokens, before compacting
@@ -328,6 +333,8 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
             traces[r].start(prompt[0].tolist())
     extra = {"generator": generator} if rows[0].resolved.do_sample else {}
     stats = GenerationStats(rows=[row.stats for row in rows])
+    # Batches of two or more rows price drafts per batch size; the measured profile serves once one row is left.
+    started += _calibrate(drafter, model)
 
     # Prefill, as plain batched generate does it: left padding masked out, positions counted from each row's start.
     mask = mask.to(device)

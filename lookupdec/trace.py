@@ -283,7 +283,8 @@ def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first:
     the run marked on it.
 
     Acceptance (``first``, ``then``) comes from the trace (:class:`TraceSummary`). The pass cost by draft length
-    is ``costs`` when given, else the straight line ``1 + jump + slope * d`` when both are given, else the
+    is ``costs`` when given, else the straight line ``1 + jump + slope * d`` when either is given (the other from
+    the drafter's or the trace's straight-line fit), else the
     drafter's (its measured profile after ``lookupdec.calibrate``, or its running straight-line fit), else a
     straight line fitted to the trace's own pass times. The run is marked at its mean draft length and its tokens
     per pass divided by the mean cost of its passes (the speedup the cost model credits it with); ``measured``
@@ -303,7 +304,10 @@ def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first:
         costs = list(costs)
         if len(costs) <= longest:
             raise ValueError(f"costs must cover draft lengths 0..{longest}, got {len(costs)} values")
-    elif jump is not None and slope is not None:
+    elif jump is not None or slope is not None:  # a straight line; the one not given comes from the fit
+        fit_jump, fit_slope = (drafter.cost if drafter is not None else _fitted_cost(steps)).relative()
+        jump = fit_jump if jump is None else jump
+        slope = fit_slope if slope is None else slope
         label = f"jump {jump:.2f}, slope {slope:.3f}"
         costs = linear_costs(jump, slope, longest)
     else:

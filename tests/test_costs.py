@@ -13,7 +13,7 @@ from lookupdec.drafter import DrafterConfig, LookupDrafter
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOOKUPDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "cache_dir", lambda: tmp_path)
     return tmp_path / "costs"
 
 
@@ -22,8 +22,10 @@ def test_measured_profile_is_relative_to_a_plain_step_and_leaves_the_global_rng_
     state = torch.get_rng_state()
     profile = cal.measure_pass_costs(model, max_draft=12, rounds=1)
     assert torch.equal(torch.get_rng_state(), state)
-    assert profile.shape == (13,) and profile[0] == 1.0
+    assert profile.shape == (13,) and profile[0] == 1.0  # relative to a plain step
     assert np.all(np.isfinite(profile)) and profile.min() > 0
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        cal.measure_pass_costs(model, max_draft=12, rounds=0)
 
 
 def test_lengths_are_dense_where_the_curve_is_jagged():
@@ -52,22 +54,37 @@ def test_the_profile_is_cached_on_disk_and_measured_again_when_asked(tiny_factor
     assert cal.pass_costs(model, 4).tolist() == pytest.approx(first[:5].tolist()) and calls == [8]  # from disk
     assert cal.pass_costs(model, 16).size == 17 and calls == [8, 16]  # longer than what was measured: measure
     assert cal.pass_costs(model, 8, refresh=True)[-1] == 5.0 and calls == [8, 16, 8]  # the third measurement
+    assert json.loads(path.read_text())["profile"][-1] == 5.0  # ... written over the file
+    returned = cal.pass_costs(model, 8)
+    returned[1] = 99.0  # the caller's copy: the memo is not touched
+    assert cal.pass_costs(model, 8)[1] != 99.0
 
 
-@pytest.mark.parametrize("content", ["not json", '{"version": 1}', '{"version": 0, "profile": [1, 2, 3]}',
-                                     '{"version": 1, "profile": [1, -2, 3, 4, 5, 6, 7, 8, 9]}'])
+@pytest.mark.parametrize("content", ["not json", '{"version": V}', '{"version": V, "profile": [1, 2, 3]}',
+                                     '{"version": OLD, "profile": [1, 2, 3, 4, 5, 6, 7, 8, 9]}',
+                                     '{"version": V, "profile": [1, -2, 3, 4, 5, 6, 7, 8, 9]}'])
 def test_an_unreadable_or_stale_cache_file_is_measured_again(tiny_factory, cache_dir, monkeypatch, content):
     model = tiny_factory("gpt2")
     cache_dir.mkdir(parents=True)
+    content = content.replace("OLD", str(cal.PROFILE_VERSION - 1)).replace("V", str(cal.PROFILE_VERSION))
     (cache_dir / f"{cal.profile_key(model)}.json").write_text(content)
     monkeypatch.setattr(cal, "measure_pass_costs", lambda model, max_draft=32, **kw: np.ones(max_draft + 1))
     assert cal.pass_costs(model, 8).tolist() == [1.0] * 9
 
 
+def test_a_good_cache_file_is_read_not_measured(tiny_factory, cache_dir, monkeypatch):
+    model = tiny_factory("gpt2")
+    cache_dir.mkdir(parents=True)
+    (cache_dir / f"{cal.profile_key(model)}.json").write_text(
+        json.dumps({"version": cal.PROFILE_VERSION, "profile": list(range(1, 10))}))
+    monkeypatch.setattr(cal, "measure_pass_costs", lambda *a, **kw: pytest.fail("measured despite the cache"))
+    assert cal.pass_costs(model, 8).tolist() == list(range(1, 10))
+
+
 def test_an_unwritable_cache_only_costs_a_warning(tiny_factory, tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv("LOOKUPDEC_CACHE_DIR", str(blocker))  # a file where the folder should be
+    monkeypatch.setattr(cal, "cache_dir", lambda: blocker)  # a file where the folder should be
     monkeypatch.setattr(cal, "measure_pass_costs", lambda model, max_draft=32, **kw: np.ones(max_draft + 1))
     assert cal.pass_costs(tiny_factory("llama"), 4).size == 5
     assert "could not cache the pass-cost profile" in caplog.text
@@ -103,6 +120,63 @@ def test_calibrate_hands_the_profile_to_a_drafter_for_the_transformers_route(tin
     profile = lookupdec.calibrate(drafter, model)
     assert profile.size == 9
     assert drafter.cost.costs(8).tolist() == pytest.approx(profile.tolist())
+
+
+def test_a_failed_calibration_warns_and_keeps_the_straight_line(tiny_factory, cache_dir, caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    short = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=30)).eval()
+    prompt = torch.tensor([[5, 6, 7, 5, 6]])
+    drafter = LookupDrafter()  # max_draft 32 does not fit in 30 positions: nothing to measure
+    out = lookupdec.generate(short, prompt, max_new_tokens=4, drafter=drafter)
+    assert torch.equal(out.sequences, short.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                                     max_new_tokens=4, do_sample=False))
+    assert drafter.cost.profile is None
+    assert "could not measure the pass cost of GPT2LMHeadModel" in caplog.text
+    with pytest.raises(ValueError, match="cannot hold a 32-token draft"):
+        lookupdec.calibrate(drafter, short)
+
+
+def test_generate_leaves_a_profile_set_by_hand_alone_and_follows_the_model(tiny_factory, cache_dir):
+    llama, gpt2 = tiny_factory("llama"), tiny_factory("gpt2")
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    drafter = LookupDrafter()
+    drafter.cost.use_profile([1.0] * 33)
+    lookupdec.generate(llama, prompt, max_new_tokens=3, drafter=drafter)
+    assert drafter.cost.profile.tolist() == [1.0] * 33 and drafter.cost.profile_source is None
+    drafter.cost.use_profile(None)
+    lookupdec.generate(llama, prompt, max_new_tokens=3, drafter=drafter)
+    assert drafter.cost.profile_source is llama
+    lookupdec.generate(gpt2, prompt, max_new_tokens=3, drafter=drafter)  # a drafter moved to another model
+    assert drafter.cost.profile_source is gpt2
+    assert drafter.cost.profile.tolist() == pytest.approx(cal.pass_costs(gpt2, 32).tolist())
+
+
+def test_measuring_one_model_does_not_hold_up_another(tiny_factory, cache_dir, monkeypatch):
+    import threading
+
+    known, slow = tiny_factory("llama"), tiny_factory("gpt2")
+    cal.pass_costs(known, 8)  # in memory now
+    started, release = threading.Event(), threading.Event()
+
+    def blocking_measure(model, max_draft=32, **kw):
+        started.set()
+        assert release.wait(10)
+        return np.ones(max_draft + 1)
+
+    monkeypatch.setattr(cal, "measure_pass_costs", blocking_measure)
+    worker = threading.Thread(target=cal.pass_costs, args=(slow, 8))
+    worker.start()
+    try:
+        assert started.wait(10)
+        answered = []
+        other = threading.Thread(target=lambda: answered.append(cal.pass_costs(known, 8)))
+        other.start()
+        other.join(5)
+        assert answered, "a model already measured waited for another model's measurement"
+    finally:
+        release.set()
+        worker.join(10)
 
 
 def test_calibrate_is_a_drafter_config_switch():

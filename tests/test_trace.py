@@ -167,12 +167,14 @@ def test_plots_draw_the_curves_and_mark_the_run():
     assert measured.get_ydata()[0] == 1.3
     # A measured profile (a calibrated drafter) replaces the straight line, in the curve and in the run's mark.
     drafter = LookupDrafter()
-    drafter.cost.use_profile([1.0, 2.0, 1.5, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0])
+    drafter.cost.use_profile([1.0, 2.0, 1.7, 1.5, 1.6, 1.75, 1.8, 1.9, 2.0])  # distinct costs for 2 and 3
     curve, _, run = plot_expected_speedup(trace, drafter, max_draft=8).get_lines()
     assert "measured cost" in curve.get_label()
     assert curve.get_ydata()[2] == pytest.approx(expected_speedup(trace.summary().first, trace.summary().then,
                                                                   drafter.cost.costs(8), 2))
-    assert run.get_ydata()[0] == pytest.approx(2.0 / ((1.5 + 1 + 1.5) / 3))  # drafts of 3, 0 and 2 tokens
+    assert run.get_ydata()[0] == pytest.approx(2.0 / ((1.5 + 1 + 1.7) / 3))  # drafts of 3, 0 and 2 tokens
+    only_jump = plot_expected_speedup(trace, drafter, jump=0.3, max_draft=8).get_lines()[0]  # slope from the fit
+    assert only_jump.get_label().endswith(f"jump 0.30, slope {drafter.cost.relative()[1]:.3f})")
     with pytest.raises(ValueError, match="costs must cover"):
         plot_expected_speedup(trace, costs=[1.0, 2.0], max_draft=8)
     plt.close("all")
