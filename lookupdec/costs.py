@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -34,10 +33,9 @@ import weakref
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from .drafter import LookupDrafter
-from .hf import target_forward
+from .hf import forward_params, rollback_cache, target_forward
 from .models import cache_dir
 
 _log = logging.getLogger(__name__)
@@ -137,7 +135,7 @@ def measure_pass_costs(model, max_draft: int = 32, *, context: int = CONTEXT, ro
     context = max(1, min(context, limit - max_draft - 2))
     generator = torch.Generator().manual_seed(0)
     device = model.device
-    params = frozenset(inspect.signature(model.forward).parameters)
+    params = forward_params(model)
     times = {d: [] for d in lengths}
 
     def one_round(timed: bool) -> float:
@@ -153,9 +151,7 @@ def measure_pass_costs(model, max_draft: int = 32, *, context: int = CONTEXT, ro
         return time.perf_counter() - started
 
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        if hasattr(cache, "activate_past_recording"):
-            cache.activate_past_recording()
+        cache = rollback_cache(model)
         target_forward(model, torch.randint(text.vocab_size, (1, context), generator=generator).to(device), cache,
                        1, params)
         one_round(timed=False)  # warms up every shape

@@ -21,19 +21,26 @@ Three jobs:
    tokens), so this route always drafts at least one token; and it learns the target's vocabulary size (needed
    for ``q`` under sampling) from transformers' own check that the assistant shares the target's vocabulary,
    which a lookup drafter always does because it copies the target's token ids.
-3. :func:`target_forward`: one pass of the target on a ``DynamicCache``, under whichever names this transformers
-   version gives the cache and ``logits_to_keep`` (the loop and the pass-cost calibration share it).
+3. :func:`target_forward`: one pass of the target on a ``DynamicCache`` (:func:`rollback_cache`), under whichever
+   names this transformers version gives the cache and ``logits_to_keep`` (the loop and the pass-cost calibration
+   share them).
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+)
 from transformers.utils import ModelOutput
 
 if TYPE_CHECKING:
@@ -269,6 +276,20 @@ def _eos_ids(generation_config: GenerationConfig | None) -> frozenset:
 
 # --------------------------------------------------------------------------------------------------------------
 # 3. One target pass
+
+
+def forward_params(model) -> frozenset:
+    """The keyword names ``model.forward`` takes, for :func:`target_forward` (computed once per generation)."""
+    return frozenset(inspect.signature(model.forward).parameters)
+
+
+def rollback_cache(model) -> DynamicCache:
+    """A ``DynamicCache`` that :meth:`crop` can roll back by any number of tokens: sliding-window layers keep their
+    past while a draft is pending (transformers' ``activate_past_recording``), so cropping restores them too."""
+    cache = DynamicCache(config=model.config)
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
 
 
 def target_forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset, mask=None,

@@ -36,7 +36,6 @@ generation, and sampling uses the exact rule per row (one generator, drawn row a
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -46,7 +45,7 @@ from transformers import DynamicCache
 
 from .costs import calibrate_or_warn
 from .drafter import LookupDrafter, best_batch_length
-from .hf import resolve_generation, target_forward
+from .hf import forward_params, resolve_generation, rollback_cache, target_forward
 from .verify import verify_greedy, verify_sample
 
 
@@ -192,10 +191,8 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, drafter, overrid
     pick = verify_sample if resolved.do_sample else verify_greedy
     extra = {"generator": generator} if resolved.do_sample else {}
 
-    cache = DynamicCache(config=model.config)
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
-    params = frozenset(inspect.signature(model.forward).parameters)
+    cache = rollback_cache(model)
+    params = forward_params(model)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -308,7 +305,7 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
     if not hasattr(drafter, "batch_cost"):
         raise TypeError(f"batches need a LookupDrafter (or a subclass), got {type(drafter).__name__}")
     cache = DynamicCache(config=model.config)
-    params = frozenset(inspect.signature(model.forward).parameters)
+    params = forward_params(model)
     if any(cache.is_sliding):
         # Rows accept different numbers of tokens, which leaves masked holes between a row's cache entries; a
         # sliding window counts cache slots, so holes would shrink it. Full-attention models only, for now.

@@ -299,19 +299,19 @@ def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first:
     first = summary.first if first is None else first
     then = summary.then if then is None else then
     longest = max([max_draft, *(len(s.draft) for s in steps)])
+    cost = drafter.cost if drafter is not None else _fitted_cost(steps)  # what the arguments do not say
     if costs is not None:
         label = "measured cost"
         costs = list(costs)
         if len(costs) <= longest:
             raise ValueError(f"costs must cover draft lengths 0..{longest}, got {len(costs)} values")
     elif jump is not None or slope is not None:  # a straight line; the one not given comes from the fit
-        fit_jump, fit_slope = (drafter.cost if drafter is not None else _fitted_cost(steps)).relative()
+        fit_jump, fit_slope = cost.relative()
         jump = fit_jump if jump is None else jump
         slope = fit_slope if slope is None else slope
         label = f"jump {jump:.2f}, slope {slope:.3f}"
         costs = linear_costs(jump, slope, longest)
     else:
-        cost = drafter.cost if drafter is not None else _fitted_cost(steps)
         costs = cost.costs(longest)
         label = "measured cost" if cost.profile is not None else "jump {:.2f}, slope {:.3f}".format(*cost.relative())
     lengths = list(range(max_draft + 1))
