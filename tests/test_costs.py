@@ -182,3 +182,24 @@ def test_measuring_one_model_does_not_hold_up_another(tiny_factory, cache_dir, m
 def test_calibrate_is_a_drafter_config_switch():
     with pytest.raises(ValueError, match="calibrate must be True or False"):
         DrafterConfig(calibrate="yes")
+
+
+def test_calibration_happens_after_the_input_checks_and_outside_the_stats(tiny_factory, cache_dir, monkeypatch):
+    import time
+
+    measured = []
+
+    def slow_measure(model, max_draft=32, **kw):
+        measured.append(model)
+        time.sleep(0.5)
+        return np.ones(max_draft + 1)
+
+    monkeypatch.setattr(cal, "measure_pass_costs", slow_measure)
+    model = tiny_factory("llama")
+    bad_mask = torch.tensor([[1, 0, 1], [1, 1, 1]])  # a hole in the middle: not left padding
+    with pytest.raises(ValueError, match="left padding"):
+        lookupdec.generate(model, torch.tensor([[5, 6, 7], [5, 6, 7]]), bad_mask, max_new_tokens=2)
+    assert measured == []  # a refused call measures nothing
+    out = lookupdec.generate(model, torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=3)
+    assert measured == [model]
+    assert out.stats.total_seconds < 0.5  # the one-time measurement is not generation time
