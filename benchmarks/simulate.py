@@ -244,10 +244,7 @@ def ablate(prompts, cost, eos, out: Path) -> str:
     names = [*systems, "oracle"]
     suites = list(dict.fromkeys(r["suite"] for r in rows))
     counts = {s: sum(r["suite"] == s for r in rows) for s in suites}
-    model = ("the pass costs measured on this machine (lookupdec.calibrate): "
-             + ", ".join(f"d={d} {cost(d):.2f}" for d in (1, 2, 3, 4, 8, 16, 32))
-             if isinstance(cost, MeasuredCost) else "1 per plain step, 1.55 + 0.05 d per pass with d drafted tokens")
-    lines = [(f"Simulated (cost model: {model}), "
+    lines = [(f"Simulated (cost model: {_cost_text(cost)}), "
               f"replaying cached greedy outputs of {len(rows)} prompts; medians over each suite's prompts."), ""]
     for what, col in (("simulated speedup over greedy", 0), ("tokens per pass (the target's own token included)", 1)):
         head = f"| {what} | " + " | ".join(f"{s} ({counts[s]})" for s in suites) + " | all |"
@@ -314,6 +311,122 @@ def study_trees(prompts, cost, eos, out: Path) -> str:
     return table
 
 
+def _copy_lengths(prior: list, prompt: list, answer: list, limit: int, ngram: bool) -> np.ndarray:
+    """For every output position i: the longest prefix of ``answer[i:]`` (at most ``limit``) that a copy from
+    anywhere earlier reproduces (earlier outputs ``prior``, the prompt, the output before i; a copy may overlap
+    the text it is writing, as an LZ77 copy does). ``ngram``: only copies whose source is preceded by the same
+    token as position i, i.e. those an n-gram index can find."""
+    seq = np.asarray([*prior, -1, *prompt, *answer], dtype=np.int64)
+    base = len(prior) + 1 + len(prompt)
+    lengths = np.zeros(len(answer), dtype=np.int64)
+    for i in range(len(answer)):
+        q = base + i
+        cand = np.flatnonzero(seq[:q] == seq[q])
+        if ngram:
+            cand = cand[(cand > 0) & (seq[np.maximum(cand - 1, 0)] == seq[q - 1])]
+        k = 0
+        while cand.size and k < limit and q + k < len(seq):
+            cand = cand[seq[cand + k] == seq[q + k]]
+            k += bool(cand.size)
+        lengths[i] = k
+    return lengths
+
+
+def _hindsight(lengths: np.ndarray, cost, max_draft: int) -> float:
+    """Least total pass cost to produce the output when each pass knows how long a correct draft is available at
+    its position (``lengths[i]``): a pass drafting d tokens at i costs ``cost(d)`` and moves to
+    i + min(d, lengths[i]) + 1. Drafting past the correct length is allowed (a jagged cost curve can make a longer
+    pass cheaper). The first token comes from the prefill pass, as in ``replay``."""
+    n = len(lengths)
+    best = np.zeros(n + 1)
+    for i in range(n - 1, 0, -1):
+        top = min(max_draft, n - i - 1)
+        best[i] = min(cost(d) + best[min(i + min(d, int(lengths[i])) + 1, n)] for d in range(top + 1))
+    return cost(0) + best[1]
+
+
+def _best_length_replay(factory, prompt: list, answer: list, cost) -> dict:
+    """The drafter chooses where to copy from (its occurrence, cursor and cache, as it does), and each pass drafts
+    the length that pays best for what turns out to be right: the loss of our length policy and guard, measured
+    apart from the loss of our choice of occurrence."""
+    session = factory(prompt)
+    passes, spent = 1, cost(0)
+    session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
+    done = 1
+    while done < len(answer):
+        offer = session.offer(len(answer) - done - 1)
+        right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
+        d = max(range(offer.tokens.size + 1), key=lambda d: ((min(d, right) + 1) / cost(d), -d))
+        session.take(d)
+        step = min(d, right)
+        done += step + 1
+        passes += 1
+        spent += cost(d)
+        session.commit(np.asarray(answer[done - step - 1: done], dtype=np.int32), step, None)
+    session.finish()
+    return {"tokens": len(answer), "passes": passes, "time": spent}
+
+
+def study_bounds(prompts, cost, eos, out: Path, max_draft: int = 32) -> str:
+    """Where the gap to the oracle comes from: the oracle, the best any copying drafter could do (lengths chosen
+    with hindsight), the best an n-gram drafter could do, our choice of occurrence with hindsight lengths, and
+    lookupdec itself. One drafter per suite (earlier outputs of the suite are copyable, as in the ablation)."""
+    names = ["oracle (drafts the true output, up to 32 tokens)",
+             "any copy, best lengths (hindsight bound)",
+             "n-gram copy, best lengths (hindsight bound)",
+             "lookupdec's copy source, best lengths",
+             "lookupdec",
+             "prompt lookup (transformers re-expressed, 10 tokens, 2-grams)"]
+    rows = []
+    for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
+        ours = _LookupFactory(cost, eos, **ABLATIONS["lookupdec (all on)"])
+        hind = _LookupFactory(cost, eos, **ABLATIONS["lookupdec (all on)"])
+        prior = []
+        for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
+            plain = len(answer) * cost(0)
+            times = [
+                replay(lambda pr, a=answer: _OracleSession(a), prompt, answer, cost, eos)["time"],
+                _hindsight(_copy_lengths(prior, prompt, answer, max_draft, False), cost, max_draft),
+                _hindsight(_copy_lengths(prior, prompt, answer, max_draft, True), cost, max_draft),
+                _best_length_replay(hind, prompt, answer, cost)["time"],
+                replay(ours, prompt, answer, cost, eos)["time"],
+                replay(lambda pr: _PromptLookupSession(pr, 10, 2, eos), prompt, answer, cost, eos)["time"],
+            ]
+            rows.append({"suite": suite, **{name: plain / t for name, t in zip(names, times)}})
+            prior += [-1, *answer]
+            print(f"{suite}/{p.name:28s} " + " ".join(f"{plain / t:.2f}" for t in times), file=sys.stderr)
+    suites = list(dict.fromkeys(r["suite"] for r in rows))
+    counts = {s: sum(r["suite"] == s for r in rows) for s in suites}
+    copy_heavy = [s for s in suites if s in ("yaml", "code")]
+    groups = {**{f"{s} ({counts[s]})": [r for r in rows if r["suite"] == s] for s in suites},
+              **({"yaml + code": [r for r in rows if r["suite"] in copy_heavy]} if copy_heavy else {})}
+    lines = [f"Simulated (cost model: {_cost_text(cost)}), replaying cached greedy outputs of {len(rows)} prompts; "
+             "medians over each group's prompts. In brackets: the median per-prompt share of the oracle's speedup.",
+             "", "| simulated speedup over greedy | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
+    oracle = names[0]
+    for name in names:
+        cells = [f"{statistics.median(r[name] for r in g):.2f}x "
+                 f"({statistics.median(r[name] / r[oracle] for r in g):.0%})" for g in groups.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    pld = names[-1]
+    lines += ["", "| median per-prompt ratio to prompt lookup | " + " | ".join(groups) + " |",
+              "|---" * (len(groups) + 1) + "|"]
+    for name in names[:-1]:
+        cells = [f"{statistics.median(r[name] / r[pld] for r in g):.2f}x" for g in groups.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table)
+    return table
+
+
+def _cost_text(cost) -> str:
+    if isinstance(cost, MeasuredCost):
+        return ("the pass costs measured on this machine (lookupdec.calibrate): "
+                + ", ".join(f"d={d} {cost(d):.2f}" for d in (1, 2, 3, 4, 8, 16, 32)))
+    return "1 per plain step, 1.55 + 0.05 d per pass with d drafted tokens"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
@@ -332,6 +445,10 @@ def main(argv=None):
     ap.add_argument("--trees", action="store_true",
                     help="study token-tree drafts (2-3 branches per pass); replays cached greedy outputs only")
     ap.add_argument("--trees-out", type=Path, default=Path("benchmarks/results/trees.md"))
+    ap.add_argument("--bounds", action="store_true",
+                    help="where the gap to the oracle comes from: hindsight bounds for copying drafters; replays "
+                         "cached greedy outputs only")
+    ap.add_argument("--bounds-out", type=Path, default=Path("benchmarks/results/bounds.md"))
     args = ap.parse_args(argv)
     if args.quick:
         args.per_suite = 2
@@ -347,7 +464,7 @@ def main(argv=None):
     cached = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     eos = int(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, int)
               else model.generation_config.eos_token_id[0])
-    if args.ablate or args.trees:
+    if args.ablate or args.trees or args.bounds:
         prompts = []
         for p in pick_prompts(args):
             key = f"{p.suite}/{p.name}"
@@ -359,6 +476,8 @@ def main(argv=None):
             print(ablate(prompts, cost, eos, args.ablate_out))
         if args.trees:
             print(study_trees(prompts, cost, eos, args.trees_out))
+        if args.bounds:
+            print(study_bounds(prompts, cost, eos, args.bounds_out))
         return
     rows = []
     for p in pick_prompts(args):

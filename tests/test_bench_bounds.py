@@ -1,0 +1,99 @@
+"""The hindsight bounds of benchmarks/simulate.py (``--bounds``): the README's account of where the gap to the
+oracle comes from rests on them, so they are checked against brute force on small cases."""
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def simulate():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_simulate", BENCH / "simulate.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _brute_lengths(prior, prompt, answer, limit, ngram):
+    seq = [*prior, -1, *prompt, *answer]
+    base = len(prior) + 1 + len(prompt)
+    out = []
+    for i in range(len(answer)):
+        q = base + i
+        best = 0
+        for s in range(q):
+            if ngram and (s == 0 or seq[s - 1] != seq[q - 1]):
+                continue
+            k = 0
+            while k < limit and q + k < len(seq) and seq[s + k] == seq[q + k]:
+                k += 1
+            best = max(best, k)
+        out.append(best)
+    return out
+
+
+def _brute_schedule(lengths, cost, max_draft):
+    """Cheapest cost from the second token on, trying every draft length at every pass."""
+    n = len(lengths)
+
+    @functools.cache
+    def rest(i):
+        if i >= n:
+            return 0.0
+        top = min(max_draft, n - i - 1)
+        return min(cost(d) + rest(min(i + min(d, int(lengths[i])) + 1, n)) for d in range(top + 1))
+
+    return rest(1)
+
+
+def test_copy_lengths_examples(simulate):
+    # The answer copies 1 2 3 from the prompt, then writes 9; an n-gram copy needs the token before to match too.
+    assert simulate._copy_lengths([], [1, 2, 3, 4], [1, 2, 3, 9], 32, False).tolist() == [3, 2, 1, 0]
+    assert simulate._copy_lengths([], [1, 2, 3, 4], [1, 2, 3, 9], 32, True).tolist() == [0, 2, 1, 0]
+    # A loop copies from the text it is writing (an overlapping copy), capped at the limit.
+    assert simulate._copy_lengths([], [7], [5, 6, 5, 6, 5, 6, 5], 3, False).tolist() == [0, 0, 3, 3, 3, 2, 1]
+    # Earlier outputs (the cross-request cache) are copyable, but a copy stops at the separator before the prompt
+    # (joined without it, "9 1" would be a 2-token copy at the first position).
+    assert simulate._copy_lengths([8, 9], [1], [9, 1], 32, False).tolist() == [1, 1]
+    assert simulate._copy_lengths([8, 9], [1], [8, 9], 32, False).tolist() == [2, 1]
+
+
+def test_copy_lengths_match_brute_force(simulate):
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        prior, prompt, answer = (rng.integers(0, 4, rng.integers(0, 12)).tolist() for _ in range(3))
+        prompt = prompt or [0]
+        for ngram in (False, True):
+            got = simulate._copy_lengths(prior, prompt, answer, 5, ngram).tolist()
+            assert got == _brute_lengths(prior, prompt, answer, 5, ngram)
+
+
+def test_hindsight_is_the_cheapest_schedule(simulate):
+    """The DP equals an exhaustive search over every sequence of draft lengths, with a jagged cost curve where a
+    longer draft can be the cheaper pass."""
+    costs = [1.0, 1.6, 2.0, 1.5, 1.7]
+
+    def cost(d):
+        return costs[min(d, len(costs) - 1)]
+
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        lengths = rng.integers(0, 5, rng.integers(1, 9))
+        assert simulate._hindsight(lengths, cost, 4) == pytest.approx(cost(0) + _brute_schedule(lengths, cost, 4))
+    # Nothing to copy: every token costs a plain step.
+    assert simulate._hindsight(np.zeros(6, dtype=int), cost, 4) == pytest.approx(6.0)
+    # Everything copyable: 3-token drafts are the cheapest per token here (4 tokens for 1.5).
+    assert simulate._hindsight(np.full(9, 4), cost, 4) == pytest.approx(1.0 + 2 * 1.5)
+    # Two right tokens at each pass: drafting 3 (one of them wrong) is cheaper than drafting the 2 right ones;
+    # the last token takes a plain step (no draft runs past the end).
+    assert simulate._hindsight(np.full(8, 2), cost, 4) == pytest.approx(1.0 + 2 * 1.5 + 1.0)
