@@ -287,8 +287,8 @@ def study_trees(prompts, cost, eos, out: Path) -> str:
             print(f"{suite}/{p.name:28s} " + " ".join(f"{row[name]['x']:.2f}" for name in TREES), file=sys.stderr)
     suites = [*dict.fromkeys(r["suite"] for r in rows), "all"]
     groups = {suite: [r for r in rows if suite in ("all", r["suite"])] for suite in suites}
-    lines = [("Simulated (cpu cost model; a tree pass costs cost(tree nodes)), one drafter per suite as in the "
-              "ablation. Alternatives: continuations of other earlier occurrences of the suffix (longest n first), "
+    lines = [(f"Simulated (cost model: {_cost_text(cost)}; a tree pass costs cost(tree nodes)), one drafter per "
+              "suite as in the ablation. Alternatives: continuations of other earlier occurrences of the suffix (longest n first), "
               "added when they disagree with every branch so far within their length."), "",
              "| counted in the 3-branch tree (alternatives as long as the draft) | " + " | ".join(suites) + " |",
              "|---" * (len(suites) + 1) + "|"]
