@@ -18,6 +18,7 @@ Examples::
     python benchmarks/simulate.py --ablate --ablate-out /tmp/ablate/ablation.md
     python benchmarks/simulate.py --ablate --measure-cost --ablate-out /tmp/ablate/ablation.md
     python benchmarks/simulate.py --trees --trees-out /tmp/ablate/trees.md
+    python benchmarks/simulate.py --bounds --measure-cost
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from run import encode, pick_prompts
 from workloads import SUITES
 
-from lookupdec import LookupDrafter
+from lookupdec import DrafterConfig, LookupDrafter
 from lookupdec.costs import pass_costs
 from lookupdec.models import load_model
 
@@ -288,8 +289,8 @@ def study_trees(prompts, cost, eos, out: Path) -> str:
     suites = [*dict.fromkeys(r["suite"] for r in rows), "all"]
     groups = {suite: [r for r in rows if suite in ("all", r["suite"])] for suite in suites}
     lines = [(f"Simulated (cost model: {_cost_text(cost)}; a tree pass costs cost(tree nodes)), one drafter per "
-              "suite as in the ablation. Alternatives: continuations of other earlier occurrences of the suffix (longest n first), "
-              "added when they disagree with every branch so far within their length."), "",
+              "suite as in the ablation. Alternatives: continuations of other earlier occurrences of the suffix "
+              "(longest n first), added when they disagree with every branch so far within their length."), "",
              "| counted in the 3-branch tree (alternatives as long as the draft) | " + " | ".join(suites) + " |",
              "|---" * (len(suites) + 1) + "|"]
     stat = {key: [sum(r["tree 3, alternatives as long as the draft"][key] for r in groups[s])
@@ -333,22 +334,32 @@ def _copy_lengths(prior: list, prompt: list, answer: list, limit: int, ngram: bo
 
 
 def _hindsight(lengths: np.ndarray, cost, max_draft: int) -> float:
-    """Least total pass cost to produce the output when each pass knows how long a correct draft is available at
-    its position (``lengths[i]``): a pass drafting d tokens at i costs ``cost(d)`` and moves to
-    i + min(d, lengths[i]) + 1. Drafting past the correct length is allowed (a jagged cost curve can make a longer
-    pass cheaper). The first token comes from the prefill pass, as in ``replay``."""
+    """Least total pass cost of an output of ``n = len(lengths)`` tokens for a drafter that, at each position i,
+    can draft a copy of which at most ``lengths[i]`` tokens are right, and knows in hindsight how many will be.
+
+    A pass drafting d tokens at i costs ``cost(d)`` and moves to i + a + 1 for any a <= min(d, lengths[i]) (a worse
+    copy gets fewer right), at most ``n - i - 1`` drafted as in ``replay``. Drafting past the right length is
+    allowed: a jagged cost curve can make a longer pass cheaper. The first token comes from the prefill pass.
+
+    lengths  # [n] int
+    """
     n = len(lengths)
-    best = np.zeros(n + 1)
+    if n == 0:
+        return 0.0
+    best = np.zeros(n + 1)  # [n + 1] least cost from position i to the end
     for i in range(n - 1, 0, -1):
         top = min(max_draft, n - i - 1)
-        best[i] = min(cost(d) + best[min(i + min(d, int(lengths[i])) + 1, n)] for d in range(top + 1))
+        # reach[a]: the cheapest way on after a pass that got a tokens right (a = 0 .. min(top, lengths[i])).
+        reach = np.minimum.accumulate(best[i + 1: i + min(top, int(lengths[i])) + 2])
+        best[i] = min(cost(d) + reach[min(d, reach.size - 1)] for d in range(top + 1))
     return cost(0) + best[1]
 
 
 def _best_length_replay(factory, prompt: list, answer: list, cost) -> dict:
     """The drafter chooses where to copy from (its occurrence, cursor and cache, as it does), and each pass drafts
-    the length that pays best for what turns out to be right: the loss of our length policy and guard, measured
-    apart from the loss of our choice of occurrence."""
+    the length that turns out to give the most tokens per unit of cost in that pass (a per-pass choice, not the
+    best schedule): the loss of our length policy and guard, measured apart from the loss of our choice of
+    occurrence."""
     session = factory(prompt)
     passes, spent = 1, cost(0)
     session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
@@ -356,25 +367,27 @@ def _best_length_replay(factory, prompt: list, answer: list, cost) -> dict:
     while done < len(answer):
         offer = session.offer(len(answer) - done - 1)
         right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
-        d = max(range(offer.tokens.size + 1), key=lambda d: ((min(d, right) + 1) / cost(d), -d))
-        session.take(d)
-        step = min(d, right)
-        done += step + 1
+        length = max(range(offer.tokens.size + 1), key=lambda d: ((min(d, right) + 1) / cost(d), -d))
+        session.take(length)
+        step = min(length, right)
         passes += 1
-        spent += cost(d)
-        session.commit(np.asarray(answer[done - step - 1: done], dtype=np.int32), step, None)
+        spent += cost(length)
+        session.commit(np.asarray(answer[done: done + step + 1], dtype=np.int32), step, None)
+        done += step + 1
     session.finish()
     return {"tokens": len(answer), "passes": passes, "time": spent}
 
 
-def study_bounds(prompts, cost, eos, out: Path, max_draft: int = 32) -> str:
+def study_bounds(prompts, cost, eos, out: Path) -> str:
     """Where the gap to the oracle comes from: the oracle, the best any copying drafter could do (lengths chosen
-    with hindsight), the best an n-gram drafter could do, our choice of occurrence with hindsight lengths, and
-    lookupdec itself. One drafter per suite (earlier outputs of the suite are copyable, as in the ablation)."""
+    with hindsight), the best an n-gram drafter could do, our choice of occurrence with per-pass best lengths,
+    and lookupdec itself. One drafter per suite: earlier outputs of the suite are copyable, each with the few
+    prompt tokens before it that the rolling cache keeps, as in the ablation."""
+    max_draft = DrafterConfig().max_draft
     names = ["oracle (drafts the true output, up to 32 tokens)",
              "any copy, best lengths (hindsight bound)",
              "n-gram copy, best lengths (hindsight bound)",
-             "lookupdec's copy source, best lengths",
+             "lookupdec's copy source, per-pass best length",
              "lookupdec",
              "prompt lookup (transformers re-expressed, 10 tokens, 2-grams)"]
     rows = []
@@ -393,27 +406,35 @@ def study_bounds(prompts, cost, eos, out: Path, max_draft: int = 32) -> str:
                 replay(lambda pr: _PromptLookupSession(pr, 10, 2, eos), prompt, answer, cost, eos)["time"],
             ]
             rows.append({"suite": suite, **{name: plain / t for name, t in zip(names, times)}})
-            prior += [-1, *answer]
+            prior += [-1, *prompt[-ours.drafter.cache.max_n:], *answer]  # what the rolling cache keeps
             print(f"{suite}/{p.name:28s} " + " ".join(f"{plain / t:.2f}" for t in times), file=sys.stderr)
     suites = list(dict.fromkeys(r["suite"] for r in rows))
     counts = {s: sum(r["suite"] == s for r in rows) for s in suites}
     copy_heavy = [s for s in suites if s in ("yaml", "code")]
     groups = {**{f"{s} ({counts[s]})": [r for r in rows if r["suite"] == s] for s in suites},
               **({"yaml + code": [r for r in rows if r["suite"] in copy_heavy]} if copy_heavy else {})}
-    lines = [f"Simulated (cost model: {_cost_text(cost)}), replaying cached greedy outputs of {len(rows)} prompts; "
-             "medians over each group's prompts. In brackets: the median per-prompt share of the oracle's speedup.",
-             "", "| simulated speedup over greedy | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
+    head = " | ".join(groups)
+    lines = [(f"Simulated (cost model: {_cost_text(cost)}), replaying cached greedy outputs of {len(rows)} prompts; "
+              "medians over each group's prompts. In brackets: the median per-prompt share of the oracle's speedup."),
+             "", f"| simulated speedup over greedy | {head} |", "|---" * (len(groups) + 1) + "|"]
     oracle = names[0]
     for name in names:
         cells = [f"{statistics.median(r[name] for r in g):.2f}x "
                  f"({statistics.median(r[name] / r[oracle] for r in g):.0%})" for g in groups.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     pld = names[-1]
-    lines += ["", "| median per-prompt ratio to prompt lookup | " + " | ".join(groups) + " |",
-              "|---" * (len(groups) + 1) + "|"]
+    lines += ["", f"| median per-prompt ratio to prompt lookup | {head} |", "|---" * (len(groups) + 1) + "|"]
     for name in names[:-1]:
         cells = [f"{statistics.median(r[name] / r[pld] for r in g):.2f}x" for g in groups.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    # Each step up from lookupdec to the any-copy bound, as a median per-prompt gain.
+    steps = [(names[4], names[3], "per-pass best length, same copy source"),
+             (names[3], names[2], "best n-gram copy instead of ours (hindsight lengths)"),
+             (names[2], names[1], "copies an n-gram index cannot find")]
+    lines += ["", f"| median per-prompt gain of each step | {head} |", "|---" * (len(groups) + 1) + "|"]
+    for low, high, what in steps:
+        cells = [f"{statistics.median(r[high] / r[low] for r in g) - 1:+.0%}" for g in groups.values()]
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table)
@@ -421,6 +442,7 @@ def study_bounds(prompts, cost, eos, out: Path, max_draft: int = 32) -> str:
 
 
 def _cost_text(cost) -> str:
+    """The cost model ``cost`` charges, in words, for the tables' captions."""
     if isinstance(cost, MeasuredCost):
         return ("the pass costs measured on this machine (lookupdec.calibrate): "
                 + ", ".join(f"d={d} {cost(d):.2f}" for d in (1, 2, 3, 4, 8, 16, 32)))

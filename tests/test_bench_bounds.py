@@ -43,7 +43,8 @@ def _brute_lengths(prior, prompt, answer, limit, ngram):
 
 
 def _brute_schedule(lengths, cost, max_draft):
-    """Cheapest cost from the second token on, trying every draft length at every pass."""
+    """Cheapest cost from the second token on, by trying every draft length and every number of right tokens up
+    to what the copy allows, at every pass."""
     n = len(lengths)
 
     @functools.cache
@@ -51,7 +52,7 @@ def _brute_schedule(lengths, cost, max_draft):
         if i >= n:
             return 0.0
         top = min(max_draft, n - i - 1)
-        return min(cost(d) + rest(min(i + min(d, int(lengths[i])) + 1, n)) for d in range(top + 1))
+        return min(cost(d) + rest(i + a + 1) for d in range(top + 1) for a in range(min(d, int(lengths[i])) + 1))
 
     return rest(1)
 
@@ -79,8 +80,8 @@ def test_copy_lengths_match_brute_force(simulate):
 
 
 def test_hindsight_is_the_cheapest_schedule(simulate):
-    """The DP equals an exhaustive search over every sequence of draft lengths, with a jagged cost curve where a
-    longer draft can be the cheaper pass."""
+    """The DP equals an exhaustive search over every sequence of passes, with a jagged cost curve where a longer
+    draft can be the cheaper pass."""
     costs = [1.0, 1.6, 2.0, 1.5, 1.7]
 
     def cost(d):
@@ -94,6 +95,39 @@ def test_hindsight_is_the_cheapest_schedule(simulate):
     assert simulate._hindsight(np.zeros(6, dtype=int), cost, 4) == pytest.approx(6.0)
     # Everything copyable: 3-token drafts are the cheapest per token here (4 tokens for 1.5).
     assert simulate._hindsight(np.full(9, 4), cost, 4) == pytest.approx(1.0 + 2 * 1.5)
-    # Two right tokens at each pass: drafting 3 (one of them wrong) is cheaper than drafting the 2 right ones;
-    # the last token takes a plain step (no draft runs past the end).
+    # Two right tokens at each pass: drafting 3 (one of them wrong) is cheaper than drafting the 2 right ones.
     assert simulate._hindsight(np.full(8, 2), cost, 4) == pytest.approx(1.0 + 2 * 1.5 + 1.0)
+    # No draft runs past the end: 3 tokens after the prefill take one 2-token draft (3.0), not a 3-token one (2.5).
+    assert simulate._hindsight(np.full(4, 4), cost, 4) == pytest.approx(1.0 + 2.0)
+    # A worse copy can land somewhere better: 1 right token from position 1 reaches position 3, where a 3-token
+    # draft is fully right (1.5 + 1.5); taking all 3 right tokens at once lands on 5 and ends with 1.6.
+    assert simulate._hindsight(np.array([2, 3, 2, 3, 1, 1, 0]), cost, 4) == pytest.approx(1.0 + 1.5 + 1.5)
+
+
+def test_bounds_hold_for_the_drafters_they_bound(simulate):
+    """On small repetitive texts, lookupdec's replay never beats the n-gram bound (every draft it makes copies from
+    a place that shares the last token), the per-pass best length sits between them, and any copy beats both."""
+    from lookupdec.drafter import DrafterConfig
+
+    costs = [1.0, 1.6, 2.0, 1.5, 1.7, 1.8, 1.9]
+
+    def cost(d):
+        return costs[min(d, len(costs) - 1)]
+
+    max_draft = DrafterConfig().max_draft
+    rng = np.random.default_rng(2)
+    for _ in range(15):
+        factory, best_length = (simulate._LookupFactory(cost, 99, shared=True, calibrate=False) for _ in range(2))
+        prior = []
+        for _ in range(3):  # three requests per drafter, so the rolling cache has earlier outputs to offer
+            prompt = rng.integers(0, 5, 40).tolist()
+            answer = (prompt[5:20] + rng.integers(0, 5, 10).tolist() + prompt[25:35])[: rng.integers(8, 36)]
+            ngram = simulate._hindsight(simulate._copy_lengths(prior, prompt, answer, max_draft, True), cost, max_draft)
+            anywhere = simulate._hindsight(simulate._copy_lengths(prior, prompt, answer, max_draft, False), cost,
+                                           max_draft)
+            ours = simulate.replay(factory, prompt, answer, cost, 99)["time"]
+            per_pass = simulate._best_length_replay(best_length, prompt, answer, cost)["time"]
+            assert anywhere <= ngram + 1e-9
+            assert ngram <= per_pass + 1e-9
+            assert ngram <= ours + 1e-9
+            prior += [-1, *prompt[-factory.drafter.cache.max_n:], *answer]
