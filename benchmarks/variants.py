@@ -1,0 +1,319 @@
+"""Drafting ideas we tried and did not build, kept runnable so the README's "Tried and not built" can be checked.
+
+Three studies, each replaying the cached greedy outputs of ``simulate.py`` (run ``simulate.py`` once first):
+
+- ``--variants``: other rules for where to copy from and how much to draft, against lookupdec as it is, in the
+  same noise-free simulation as ``simulate.py --ablate`` (one drafter per suite; ``--measure-cost`` charges the
+  pass cost measured on this machine). Each variant is a :class:`DraftSession` subclass below.
+- ``--confidence``: does the target's confidence in the token it has just chosen (its top probability, from one
+  teacher-forced pass over prompt + greedy output) predict whether the next draft from an index match is
+  accepted? A table of acceptance against predicted odds, by confidence bin.
+- ``--prefill RESULTS``: how much of plain greedy's wall time in a ``run.py`` results file is the prompt's
+  prefill (timed here, per prompt, at the run's thread count: fastest of 3), and the ratio of lookupdec to prompt
+  lookup with that time left out. An estimate (the prefill is timed apart from the run), for explaining how the
+  prefill compresses wall-clock ratios; the README's targets are on wall time.
+
+Examples::
+
+    python benchmarks/variants.py --variants --measure-cost
+    python benchmarks/variants.py --confidence --measure-cost
+    python benchmarks/variants.py --prefill benchmarks/results/full3/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from run import encode, pick_prompts
+from simulate import (
+    ABLATIONS,
+    MeasuredCost,
+    _common_prefix,
+    _cost_text,
+    cpu_cost,
+    replay,
+)
+from workloads import SUITES
+
+from lookupdec import LookupDrafter
+from lookupdec.costs import pass_costs
+from lookupdec.drafter import (
+    DraftSession,
+    Offer,
+    _bucket,
+    _cost_curve,
+    best_draft_length,
+)
+from lookupdec.models import load_model
+
+# name -> (occurrence rule, scale odds by agreement, length rule); None keeps lookupdec's own choice.
+VARIANTS = {
+    "lookupdec (all on)": (None, False, None),
+    "occurrence: longest shared context": ("longest", False, None),
+    "occurrence: majority vote on the next token": ("vote", False, None),
+    "occurrence: first after where the last copy ended": ("near", False, None),
+    "odds scaled by agreement, plus the vote": ("vote", True, None),
+    "length by net gain, rate 1.3": (None, False, 1.3),
+    "length by net gain, rate 2.0": (None, False, 2.0),
+    "length by net gain, running rate": (None, False, "running"),
+}
+# First-token odds multiplier by how the earlier occurrences of the suffix continue, relative to the candidate:
+# all agree with it, most do, fewer than half do, or there is only one.
+_AGREEMENT_SCALE = {"agree": 1.3, "most": 1.0, "split": 0.6, "single": 1.0}
+_NEAR_WINDOW = 64  # tokens after the last copy's end that "near" searches
+_RATE_KEEP = 0.9  # forgetting of the running rate, per pass
+
+
+def _occurrences(tokens: np.ndarray, n: int) -> np.ndarray:
+    """Sources (positions right after an earlier occurrence) of the suffix n-gram, oldest first."""
+    length = len(tokens)
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+    return np.flatnonzero((windows == tokens[length - n:]).all(axis=1)) + n
+
+
+class _VariantSession(DraftSession):
+    """A DraftSession whose index matches choose their source by ``rule``, whose odds can be scaled by agreement,
+    and whose length can be chosen by net gain against a rate."""
+
+    def __init__(self, drafter, prompt, eos_ids, variant):
+        super().__init__(drafter, prompt, eos_ids)
+        self._rule, self._scale, self._rate_rule = variant
+        self._last_end = -1  # source position right after the last accepted copy
+        self._agreement = None
+        self._rate = [1.0, 1.0]  # tokens, cost (forgotten)
+
+    def _candidate(self, limit):
+        bucket, src, candidate = super()._candidate(limit)
+        self._agreement = None
+        if bucket is None or bucket[0] == "cache" or candidate.size == 0:
+            return bucket, src, candidate
+        tokens = self.index.tokens
+        n = self.index.match()[0] if bucket[0] == "index" else min(max(self.index.match_length(src, 4), 1), 4)
+        hits = _occurrences(tokens, max(n, 1))
+        following = tokens[hits]
+        if bucket[0] == "index" and hits.size > 1 and self._rule is not None:
+            chosen = self._choose(hits, following, candidate)
+            if chosen is not None and chosen != src:
+                src, candidate = chosen, self._copy(chosen, limit)
+                bucket = _bucket("index", self.index.match_length(src, 32))
+        if hits.size <= 1:
+            self._agreement = "single"
+        else:
+            share = float((following == candidate[0]).mean())
+            self._agreement = "agree" if share == 1 else "most" if share >= 0.5 else "split"
+        return bucket, src, candidate
+
+    def _choose(self, hits, following, candidate):
+        if self._rule == "longest":
+            shared = np.array([self.index.match_length(int(h), 32) for h in hits])
+            return int(hits[shared == shared.max()][-1])
+        if self._rule == "vote":
+            values, counts = np.unique(following, return_counts=True)
+            top = values[counts == counts.max()]
+            return None if candidate[0] in top else int(hits[np.isin(following, top)][-1])
+        if self._rule == "near" and self._last_end >= 0:
+            after = hits[(hits >= self._last_end) & (hits < self._last_end + _NEAR_WINDOW)]
+            return int(after[0]) if after.size else None
+        return None
+
+    def offer(self, limit):
+        offer = super().offer(limit)
+        if self._scale and self._agreement is not None and offer.tokens.size:
+            offer = Offer(offer.tokens, min(offer.first * _AGREEMENT_SCALE[self._agreement], 0.99), offer.then)
+        return offer
+
+    def propose(self, limit, *, must_draft=False):
+        if self._rate_rule is None:
+            return super().propose(limit, must_draft=must_draft)
+        offer = self.offer(limit)
+        if offer.tokens.size == 0:
+            return self.take(0)
+        costs = _cost_curve(self._drafter.cost.costs(offer.tokens.size))
+        rate = self._rate[0] / self._rate[1] if self._rate_rule == "running" else self._rate_rule
+        tokens = 1.0 + offer.first * np.cumsum(offer.then ** np.arange(costs.size - 1, dtype=np.float64))
+        net = tokens - rate * costs[1:]
+        best = int(np.argmax(net))
+        return self.take(best + 1 if net[best] > 1.0 - rate + 0.02 else 0)
+
+    def commit(self, tokens, accepted, seconds=None):
+        _, src, draft = self._pending
+        cost = float(self._drafter.cost.costs(len(draft))[-1]) if len(draft) else 1.0
+        self._rate = [self._rate[0] * _RATE_KEEP + len(tokens), self._rate[1] * _RATE_KEEP + cost]
+        super().commit(tokens, accepted, seconds)
+        if src >= 0 and accepted:
+            self._last_end = src + accepted + 1
+        elif self._cursor >= 0:
+            self._last_end = self._cursor
+
+
+class _VariantDrafter(LookupDrafter):
+    def __init__(self, variant, **config):
+        super().__init__(**config)
+        self.variant = variant
+
+    def start(self, prompt, eos_ids=()):
+        return _VariantSession(self, np.asarray(prompt, dtype=np.int32), frozenset(int(t) for t in eos_ids),
+                               self.variant)
+
+
+class _Factory:
+    """One variant drafter per suite (``reset`` between suites), calibrated like simulate.py's drafters."""
+
+    def __init__(self, variant, cost):
+        self.variant, self.profile, self.drafter = variant, getattr(cost, "profile", None), None
+
+    def reset(self):
+        self.drafter = None
+
+    def __call__(self, prompt):
+        if self.drafter is None:
+            config = {k: v for k, v in ABLATIONS["lookupdec (all on)"].items() if k != "shared"}
+            self.drafter = _VariantDrafter(self.variant, **config)
+            if self.profile is not None:
+                self.drafter.cost.use_profile(self.profile)
+        drafter = self.drafter
+        session = drafter.start(prompt, eos_ids=[self.eos])
+        session.observe = lambda d, t: drafter.cost.observe(d, t)
+        return session
+
+
+def study_variants(prompts, cost, eos) -> str:
+    factories = {name: _Factory(variant, cost) for name, variant in VARIANTS.items()}
+    rows = []
+    for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
+        for factory in factories.values():
+            factory.reset()
+            factory.eos = eos
+        for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
+            plain = len(answer) * cost(0)
+            rows.append({"suite": suite, **{name: plain / replay(f, prompt, answer, cost, eos)["time"]
+                                            for name, f in factories.items()}})
+            print(f"{suite}/{p.name:28s} " + " ".join(f"{rows[-1][n]:.2f}" for n in factories), file=sys.stderr)
+    suites = list(dict.fromkeys(r["suite"] for r in rows))
+    base = next(iter(VARIANTS))
+    lines = [(f"Simulated (cost model: {_cost_text(cost)}), one drafter per suite; median speedup over greedy, and "
+              "in brackets the median per-prompt ratio to lookupdec as it is."), "",
+             "| variant | " + " | ".join(suites) + " |", "|---" * (len(suites) + 1) + "|"]
+    for name in VARIANTS:
+        cells = [f"{statistics.median(r[name] for r in rows if r['suite'] == s):.2f}x "
+                 f"({statistics.median(r[name] / r[base] for r in rows if r['suite'] == s):.3f})" for s in suites]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def study_confidence(prompts, model, cost, eos) -> str:
+    """Acceptance of index-match drafts against the target's top probability at the token before them."""
+    bins = [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 0.98), (0.98, 1.01)]
+    tally = {b: [0, 0, 0.0] for b in bins}  # offers, first token right, predicted first
+    for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
+        factory = _Factory(VARIANTS["lookupdec (all on)"], cost)
+        factory.eos = eos
+        for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1].float()
+            top = logits.softmax(-1).max(-1).values.tolist()  # [len(answer)] the target's confidence per token
+            session = factory(prompt)
+            session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
+            done = 1
+            while done < len(answer):
+                offer = session.offer(len(answer) - done - 1)
+                right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
+                bucket = session._offered[0]
+                length = (best_draft_length(offer.first, offer.then, session._drafter.cost.costs(offer.tokens.size))
+                          if offer.tokens.size else 0)
+                if bucket is not None and bucket[0] == "index":
+                    b = next(b for b in bins if b[0] <= top[done - 1] < b[1])
+                    tally[b][0] += 1
+                    tally[b][1] += right > 0
+                    tally[b][2] += offer.first
+                session.take(length)
+                step = min(length, right)
+                session.commit(np.asarray(answer[done: done + step + 1], dtype=np.int32), step, None)
+                session.observe(length, cost(length))
+                done += step + 1
+            session.finish()
+    lines = ["Index-match offers by the target's top probability at the token before the draft (teacher-forced).",
+             "", "| top probability | offers | first token accepted | predicted by lookupdec |", "|---|---|---|---|"]
+    for (lo, hi), (n, right, predicted) in tally.items():
+        if n:
+            lines.append(f"| {lo:.2f}-{min(hi, 1.0):.2f} | {n} | {right / n:.0%} | {predicted / n:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def study_prefill(results: Path, model, tokenizer) -> str:
+    data = json.loads(results.read_text())
+    threads = int(data["meta"]["machine"].split(",")[1].split()[0])
+    torch.set_num_threads(threads)
+    by_key = {f"{p.suite}/{p.name}": p for suite in SUITES for p in SUITES[suite]()}
+    per_suite = {}
+    for rec in data["records"]:
+        ids = encode(tokenizer, by_key[f"{rec['suite']}/{rec['name']}"].user)
+        prefill = min(_timed_prefill(model, ids) for _ in range(3))
+        seconds = {s: statistics.median(r["seconds"] for r in rec["runs"] if r["system"] == s)
+                   for s in ("greedy", "pld", "lookupdec")}
+        per_suite.setdefault(rec["suite"], []).append((
+            prefill / seconds["greedy"], seconds["pld"] / seconds["lookupdec"],
+            (seconds["pld"] - prefill) / (seconds["lookupdec"] - prefill)))
+    lines = [f"Prefill timed here ({threads} torch thread(s), fastest of 3) against {results}; medians per suite.", "",
+             "| suite | prefill share of greedy | lookupdec vs prompt lookup (wall) | prefill left out |",
+             "|---|---|---|---|"]
+    for suite, items in per_suite.items():
+        share, wall, rest = (statistics.median(x[i] for x in items) for i in range(3))
+        lines.append(f"| {suite} | {share:.0%} | {wall:.2f}x | {rest:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _timed_prefill(model, ids: torch.Tensor) -> float:
+    """Seconds of one prefill pass over ``ids`` [1, prompt_len] (logits of the last position only)."""
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        return time.perf_counter() - start
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", action="store_true", help="replay the drafting variants against lookupdec")
+    ap.add_argument("--confidence", action="store_true", help="acceptance by the target's confidence")
+    ap.add_argument("--prefill", type=Path, help="a run.py results.json: prefill share and ratios without it")
+    ap.add_argument("--measure-cost", action="store_true", help="charge the pass cost measured on this machine")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--greedy", type=Path, default=Path("benchmarks/results/greedy_smollm2_256.json"),
+                    help="simulate.py's cached greedy outputs")
+    args = ap.parse_args(argv)
+    if not (args.variants or args.confidence or args.prefill):
+        ap.error("choose --variants, --confidence or --prefill")
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(None)
+    if args.prefill:
+        print(study_prefill(args.prefill, model, tokenizer))
+    if not (args.variants or args.confidence):
+        return
+    cost = MeasuredCost(pass_costs(model, 128)) if args.measure_cost else cpu_cost
+    eos = model.generation_config.eos_token_id
+    eos = int(eos if isinstance(eos, int) else eos[0])
+    if not args.greedy.exists():
+        ap.error(f"{args.greedy} not found: run benchmarks/simulate.py once to cache the greedy outputs")
+    cached = json.loads(args.greedy.read_text())
+    picked = pick_prompts(argparse.Namespace(suites=list(SUITES), per_suite=6))
+    prompts = [(p, encode(tokenizer, p.user)[0].tolist(), cached[f"{p.suite}/{p.name}"])
+               for p in picked if f"{p.suite}/{p.name}" in cached]
+    if args.variants:
+        print(study_variants(prompts, cost, eos))
+    if args.confidence:
+        print(study_confidence(prompts, model, cost, eos))
+
+
+if __name__ == "__main__":
+    main()
