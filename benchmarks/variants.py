@@ -8,6 +8,10 @@ Three studies, each replaying the cached greedy outputs of ``simulate.py`` (run 
 - ``--confidence``: does the target's confidence in the token it has just chosen (its top probability, from one
   teacher-forced pass over prompt + greedy output) predict whether the next draft from an index match is
   accepted? A table of acceptance against predicted odds, by confidence bin.
+- ``--predictor``: a logistic model of whether a draft's first token is accepted, over cheap n-gram statistics
+  (how many earlier occurrences of the suffix there are and how many continue with the candidate's first token,
+  for n = 1..4): its cross-validated AUC against lookupdec's own odds, and the speed its odds buy when fitted on
+  the other suites. (Knowing the answer outright is a row of ``simulate.py --bounds``.)
 - ``--prefill RESULTS``: how much of plain greedy's wall time in a ``run.py`` results file is the prompt's
   prefill (timed here, per prompt, at the run's thread count: fastest of 3), and the ratio of lookupdec to prompt
   lookup with that time left out. An estimate (the prefill is timed apart from the run), for explaining how the
@@ -17,6 +21,7 @@ Examples::
 
     python benchmarks/variants.py --variants --measure-cost
     python benchmarks/variants.py --confidence --measure-cost
+    python benchmarks/variants.py --predictor --measure-cost
     python benchmarks/variants.py --prefill benchmarks/results/full3/results.json
 """
 
@@ -57,16 +62,17 @@ from lookupdec.drafter import (
 )
 from lookupdec.models import load_model
 
-# name -> (occurrence rule, scale odds by agreement, length rule); None keeps lookupdec's own choice.
+# name -> (occurrence rule, scale odds by agreement, length rule, first-token model weights); None keeps
+# lookupdec's own choice. The weights of the logistic first-token model are fitted by --predictor.
 VARIANTS = {
-    "lookupdec (all on)": (None, False, None),
-    "occurrence: longest shared context": ("longest", False, None),
-    "occurrence: majority vote on the next token": ("vote", False, None),
-    "occurrence: first after where the last copy ended": ("near", False, None),
-    "odds scaled by agreement, plus the vote": ("vote", True, None),
-    "length by net gain, rate 1.3": (None, False, 1.3),
-    "length by net gain, rate 2.0": (None, False, 2.0),
-    "length by net gain, running rate": (None, False, "running"),
+    "lookupdec (all on)": (None, False, None, None),
+    "occurrence: longest shared context": ("longest", False, None, None),
+    "occurrence: majority vote on the next token": ("vote", False, None, None),
+    "occurrence: first after where the last copy ended": ("near", False, None, None),
+    "odds scaled by agreement, plus the vote": ("vote", True, None, None),
+    "length by net gain, rate 1.3": (None, False, 1.3, None),
+    "length by net gain, rate 2.0": (None, False, 2.0, None),
+    "length by net gain, running rate": (None, False, "running", None),
 }
 # First-token odds multiplier by how the earlier occurrences of the suffix continue, relative to the candidate:
 # all agree with it, most do, fewer than half do, or there is only one.
@@ -88,7 +94,7 @@ class _VariantSession(DraftSession):
 
     def __init__(self, drafter, prompt, eos_ids, variant):
         super().__init__(drafter, prompt, eos_ids)
-        self._rule, self._scale, self._rate_rule = variant
+        self._rule, self._scale, self._rate_rule, self._weights = variant
         self._last_end = -1  # source position right after the last accepted copy
         self._agreement = None
         self._rate = [1.0, 1.0]  # tokens, cost (forgotten)
@@ -131,6 +137,9 @@ class _VariantSession(DraftSession):
         offer = super().offer(limit)
         if self._scale and self._agreement is not None and offer.tokens.size:
             offer = Offer(offer.tokens, min(offer.first * _AGREEMENT_SCALE[self._agreement], 0.99), offer.then)
+        if self._weights is not None and offer.tokens.size:
+            z = float(self._weights @ first_token_features(self, offer))
+            offer = Offer(offer.tokens, 1.0 / (1.0 + np.exp(-z)), offer.then)
         return offer
 
     def propose(self, limit, *, must_draft=False):
@@ -251,6 +260,100 @@ def study_confidence(prompts, model, cost, eos) -> str:
     return "\n".join(lines) + "\n"
 
 
+def first_token_features(session, offer) -> np.ndarray:
+    """Cheap n-gram statistics that might tell whether a candidate's first token will be accepted: lookupdec's own
+    odds (as a logit), and for n = 1..4 how many earlier occurrences the suffix n-gram has and how many of them
+    continue with the candidate's first token. [18] float64, the first entry the intercept."""
+    p = min(max(offer.first, 1e-3), 1.0 - 1e-3)
+    features = [1.0, np.log(p / (1.0 - p))]
+    tokens = session.index.tokens
+    for n in range(1, 5):
+        hits = _occurrences(tokens, n) if len(tokens) > n else np.empty(0, dtype=np.int64)
+        agree = int((tokens[hits] == offer.tokens[0]).sum())
+        features += [np.log1p(hits.size), agree / hits.size if hits.size else 0.0, float(hits.size == 0),
+                     np.log1p(agree)]
+    return np.asarray(features)
+
+
+def _fit_logistic(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Weights of a logistic model, lightly L2-regularised (scipy is in the test extra)."""
+    from scipy.optimize import minimize
+
+    def loss(w):
+        z = x @ w
+        return float(np.sum(np.logaddexp(0.0, z) - y * z) + 0.01 * w @ w)
+
+    return minimize(loss, np.zeros(x.shape[1]), method="L-BFGS-B").x
+
+
+def _auc(score: np.ndarray, y: np.ndarray) -> float:
+    ranks = np.empty(len(score))
+    ranks[np.argsort(score, kind="stable")] = np.arange(len(score))
+    positive = y == 1
+    return float((ranks[positive].mean() - (positive.sum() - 1) / 2) / (~positive).sum())
+
+
+def study_predictor(prompts, cost, eos) -> str:
+    """How well cheap statistics predict a draft's first token, and what better odds would buy.
+
+    Collects every offer of a plain lookupdec replay with its features and outcome; reports the AUC of lookupdec's
+    own odds and the 5-fold cross-validated AUC of a logistic model over :func:`first_token_features`; then
+    replays each suite with that model (fitted on the other suites) supplying the first-token odds."""
+    samples = []  # (suite, features, first token right)
+    for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
+        factory = _Factory(VARIANTS["lookupdec (all on)"], cost)
+        factory.eos = eos
+        for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
+            session = factory(prompt)
+            session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
+            done = 1
+            while done < len(answer):
+                offer = session.offer(len(answer) - done - 1)
+                right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
+                length = 0
+                if offer.tokens.size:
+                    samples.append((suite, first_token_features(session, offer), float(right > 0)))
+                    length = best_draft_length(offer.first, offer.then,
+                                               session._drafter.cost.costs(offer.tokens.size))
+                session.take(length)
+                step = min(length, right)
+                session.commit(np.asarray(answer[done: done + step + 1], dtype=np.int32), step, None)
+                session.observe(length, cost(length))
+                done += step + 1
+            session.finish()
+    suites = np.array([s for s, _, _ in samples])
+    x = np.stack([f for _, f, _ in samples])
+    y = np.array([r for _, _, r in samples])
+    folds = np.random.default_rng(0).integers(0, 5, len(y))
+    score = np.zeros(len(y))
+    for fold in range(5):
+        train = folds != fold
+        score[~train] = x[~train] @ _fit_logistic(x[train], y[train])
+    weights = {s: _fit_logistic(x[suites != s], y[suites != s]) for s in dict.fromkeys(suites)}
+    rows = []
+    for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
+        factories = {"lookupdec (all on)": _Factory(VARIANTS["lookupdec (all on)"], cost),
+                     "first-token odds from the logistic model": _Factory((None, False, None, weights[suite]), cost)}
+        for factory in factories.values():
+            factory.eos = eos
+        for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
+            plain = len(answer) * cost(0)
+            rows.append({"suite": suite, **{name: plain / replay(f, prompt, answer, cost, eos)["time"]
+                                            for name, f in factories.items()}})
+    names = list(rows[0])[1:]
+    order = list(dict.fromkeys(r["suite"] for r in rows))
+    lines = [(f"{len(y)} offers; first token accepted in {y.mean():.0%}. AUC of lookupdec's odds "
+              f"{_auc(x[:, 1], y):.3f}; of the logistic model, 5-fold cross-validated, {_auc(score, y):.3f}."), "",
+             ("Replayed with the model fitted on the other suites (medians; in brackets the median per-prompt ratio "
+              "to lookupdec):"), "", "| | " + " | ".join(order) + " |", "|---" * (len(order) + 1) + "|"]
+    for name in names:
+        cells = [f"{statistics.median(r[name] for r in rows if r['suite'] == s):.2f}x "
+                 f"({statistics.median(r[name] / r[names[0]] for r in rows if r['suite'] == s):.3f})"
+                 for s in order]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def study_prefill(results: Path, model, tokenizer) -> str:
     data = json.loads(results.read_text())
     threads = int(data["meta"]["machine"].split(",")[1].split()[0])
@@ -286,19 +389,21 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", action="store_true", help="replay the drafting variants against lookupdec")
     ap.add_argument("--confidence", action="store_true", help="acceptance by the target's confidence")
+    ap.add_argument("--predictor", action="store_true",
+                    help="a logistic first-token model over n-gram statistics: its AUC, and the speed it buys")
     ap.add_argument("--prefill", type=Path, help="a run.py results.json: prefill share and ratios without it")
     ap.add_argument("--measure-cost", action="store_true", help="charge the pass cost measured on this machine")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--greedy", type=Path, default=Path("benchmarks/results/greedy_smollm2_256.json"),
                     help="simulate.py's cached greedy outputs")
     args = ap.parse_args(argv)
-    if not (args.variants or args.confidence or args.prefill):
-        ap.error("choose --variants, --confidence or --prefill")
+    if not (args.variants or args.confidence or args.predictor or args.prefill):
+        ap.error("choose --variants, --confidence, --predictor or --prefill")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(None)
     if args.prefill:
         print(study_prefill(args.prefill, model, tokenizer))
-    if not (args.variants or args.confidence):
+    if not (args.variants or args.confidence or args.predictor):
         return
     cost = MeasuredCost(pass_costs(model, 128)) if args.measure_cost else cpu_cost
     eos = model.generation_config.eos_token_id
@@ -313,6 +418,8 @@ def main(argv=None):
         print(study_variants(prompts, cost, eos))
     if args.confidence:
         print(study_confidence(prompts, model, cost, eos))
+    if args.predictor:
+        print(study_predictor(prompts, cost, eos))
 
 
 if __name__ == "__main__":
