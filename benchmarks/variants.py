@@ -179,8 +179,9 @@ class _VariantDrafter(LookupDrafter):
 class _Factory:
     """One variant drafter per suite (``reset`` between suites), calibrated like simulate.py's drafters."""
 
-    def __init__(self, variant, cost):
-        self.variant, self.profile, self.drafter = variant, getattr(cost, "profile", None), None
+    def __init__(self, variant, cost, eos):
+        self.variant, self.eos = variant, eos
+        self.profile, self.drafter = getattr(cost, "profile", None), None
 
     def reset(self):
         self.drafter = None
@@ -198,12 +199,11 @@ class _Factory:
 
 
 def study_variants(prompts, cost, eos) -> str:
-    factories = {name: _Factory(variant, cost) for name, variant in VARIANTS.items()}
+    factories = {name: _Factory(variant, cost, eos) for name, variant in VARIANTS.items()}
     rows = []
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
         for factory in factories.values():
             factory.reset()
-            factory.eos = eos
         for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
             plain = len(answer) * cost(0)
             rows.append({"suite": suite, **{name: plain / replay(f, prompt, answer, cost, eos)["time"]
@@ -226,8 +226,7 @@ def study_confidence(prompts, model, cost, eos) -> str:
     bins = [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 0.98), (0.98, 1.01)]
     tally = {b: [0, 0, 0.0] for b in bins}  # offers, first token right, predicted first
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
-        factory = _Factory(VARIANTS["lookupdec (all on)"], cost)
-        factory.eos = eos
+        factory = _Factory(VARIANTS["lookupdec (all on)"], cost, eos)
         for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
             with torch.inference_mode():
                 logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1].float()
@@ -301,8 +300,7 @@ def study_predictor(prompts, cost, eos) -> str:
     replays each suite with that model (fitted on the other suites) supplying the first-token odds."""
     samples = []  # (suite, features, first token right)
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
-        factory = _Factory(VARIANTS["lookupdec (all on)"], cost)
-        factory.eos = eos
+        factory = _Factory(VARIANTS["lookupdec (all on)"], cost, eos)
         for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
             session = factory(prompt)
             session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
@@ -332,10 +330,9 @@ def study_predictor(prompts, cost, eos) -> str:
     weights = {s: _fit_logistic(x[suites != s], y[suites != s]) for s in dict.fromkeys(suites)}
     rows = []
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
-        factories = {"lookupdec (all on)": _Factory(VARIANTS["lookupdec (all on)"], cost),
-                     "first-token odds from the logistic model": _Factory((None, False, None, weights[suite]), cost)}
-        for factory in factories.values():
-            factory.eos = eos
+        factories = {"lookupdec (all on)": _Factory(VARIANTS["lookupdec (all on)"], cost, eos),
+                     "first-token odds from the logistic model": _Factory((None, False, None, weights[suite]), cost,
+                                                                          eos)}
         for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
             plain = len(answer) * cost(0)
             rows.append({"suite": suite, **{name: plain / replay(f, prompt, answer, cost, eos)["time"]
