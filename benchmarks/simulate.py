@@ -40,7 +40,7 @@ from workloads import SUITES
 
 from lookupdec import DrafterConfig, LookupDrafter
 from lookupdec.costs import pass_costs
-from lookupdec.drafter import best_draft_length
+from lookupdec.drafter import Offer, best_draft_length
 from lookupdec.models import load_model
 
 
@@ -145,8 +145,9 @@ class _LookupFactory:
     """Sessions of a LookupDrafter: a fresh drafter per request, or (``shared``) one drafter for every request
     until ``reset()``, so later requests can copy from earlier outputs through the rolling cache."""
 
-    def __init__(self, cost, eos, shared=False, **config):
+    def __init__(self, cost, eos, shared=False, drafter_class=LookupDrafter, **config):
         self.cost, self.eos, self.shared, self.config = cost, eos, shared, config
+        self.drafter_class = drafter_class  # a LookupDrafter subclass (benchmarks/variants.py), called with config
         self.drafter = None
         # The drafter is calibrated (as lookupdec.generate does) when the simulation charges a measured profile.
         self.profile = getattr(cost, "profile", None) if config.get("calibrate", True) else None
@@ -156,7 +157,7 @@ class _LookupFactory:
 
     def __call__(self, prompt):
         if self.drafter is None or not self.shared:
-            self.drafter = LookupDrafter(**self.config)
+            self.drafter = self.drafter_class(**self.config)
             if self.profile is not None:
                 self.drafter.cost.use_profile(self.profile)
         drafter = self.drafter
@@ -356,51 +357,58 @@ def _hindsight(lengths: np.ndarray, cost, max_draft: int) -> float:
     return cost(0) + best[1]
 
 
-def _best_length_replay(factory, prompt: list, answer: list, cost) -> dict:
-    """The drafter chooses where to copy from (its occurrence, cursor and cache, as it does), and each pass drafts
-    the length that turns out to give the most tokens per unit of cost in that pass (a per-pass choice, not the
-    best schedule): the loss of our length policy and guard, measured apart from the loss of our choice of
-    occurrence."""
+def replay_offers(factory, prompt: list, answer: list, cost, choose) -> dict:
+    """Step a drafter through ``answer`` choosing each draft's length with ``choose(session, offer, right, done)``
+    (``right``: how many of the offered tokens are right, known in hindsight; ``done``: tokens produced so far) from
+    the session's :meth:`offer`. The drafter still chooses where to copy from. Returns passes, relative time and
+    tokens, as ``replay`` does."""
     session = factory(prompt)
-    passes, spent = 1, cost(0)
+    passes, spent = 1, cost(0)  # the prefill pass yields the first token
     session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
     done = 1
     while done < len(answer):
         offer = session.offer(len(answer) - done - 1)
         right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
-        length = max(range(offer.tokens.size + 1), key=lambda d: ((min(d, right) + 1) / cost(d), -d))
+        length = choose(session, offer, right, done)
         session.take(length)
         step = min(length, right)
         passes += 1
         spent += cost(length)
         session.commit(np.asarray(answer[done: done + step + 1], dtype=np.int32), step, None)
+        session.observe(length, cost(length))
         done += step + 1
     session.finish()
     return {"tokens": len(answer), "passes": passes, "time": spent}
+
+
+def lookupdec_length(session, offer) -> int:
+    """The length ``DraftSession.propose`` would draft for ``offer``."""
+    if offer.tokens.size == 0:
+        return 0
+    return best_draft_length(offer.first, offer.then, session._drafter.cost.costs(offer.tokens.size))
+
+
+def _best_length_replay(factory, prompt: list, answer: list, cost) -> dict:
+    """The drafter chooses where to copy from (its occurrence, cursor and cache, as it does), and each pass drafts
+    the length that turns out to give the most tokens per unit of cost in that pass (a per-pass choice, not the
+    best schedule): the loss of our length policy and guard, measured apart from the loss of our choice of
+    occurrence."""
+
+    def choose(session, offer, right, done):
+        return max(range(offer.tokens.size + 1), key=lambda d: ((min(d, right) + 1) / cost(d), -d))
+
+    return replay_offers(factory, prompt, answer, cost, choose)
 
 
 def _first_known_replay(factory, prompt: list, answer: list, cost) -> dict:
     """lookupdec, except that each pass knows whether the first token of its candidate is right: it skips the
     draft when not, and otherwise chooses the length as lookupdec does with the first token certain. What a
     perfect skip-or-draft decision alone would win."""
-    session = factory(prompt)
-    passes, spent = 1, cost(0)
-    session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
-    done = 1
-    while done < len(answer):
-        offer = session.offer(len(answer) - done - 1)
-        right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
-        length = 0
-        if right:
-            length = best_draft_length(1.0, offer.then, session._drafter.cost.costs(offer.tokens.size))
-        session.take(length)
-        step = min(length, right)
-        passes += 1
-        spent += cost(length)
-        session.commit(np.asarray(answer[done: done + step + 1], dtype=np.int32), step, None)
-        done += step + 1
-    session.finish()
-    return {"tokens": len(answer), "passes": passes, "time": spent}
+
+    def choose(session, offer, right, done):
+        return lookupdec_length(session, Offer(offer.tokens, 1.0, offer.then)) if right else 0
+
+    return replay_offers(factory, prompt, answer, cost, choose)
 
 
 def study_bounds(prompts, cost, eos, out: Path) -> str:

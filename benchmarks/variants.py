@@ -28,6 +28,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -44,10 +45,12 @@ from run import encode, pick_prompts
 from simulate import (
     ABLATIONS,
     MeasuredCost,
-    _common_prefix,
     _cost_text,
+    _LookupFactory,
     cpu_cost,
+    lookupdec_length,
     replay,
+    replay_offers,
 )
 from workloads import SUITES
 
@@ -58,7 +61,6 @@ from lookupdec.drafter import (
     Offer,
     _bucket,
     _cost_curve,
-    best_draft_length,
 )
 from lookupdec.models import load_model
 
@@ -176,30 +178,14 @@ class _VariantDrafter(LookupDrafter):
                                self.variant)
 
 
-class _Factory:
+def _factory(variant, cost, eos) -> _LookupFactory:
     """One variant drafter per suite (``reset`` between suites), calibrated like simulate.py's drafters."""
-
-    def __init__(self, variant, cost, eos):
-        self.variant, self.eos = variant, eos
-        self.profile, self.drafter = getattr(cost, "profile", None), None
-
-    def reset(self):
-        self.drafter = None
-
-    def __call__(self, prompt):
-        if self.drafter is None:
-            config = {k: v for k, v in ABLATIONS["lookupdec (all on)"].items() if k != "shared"}
-            self.drafter = _VariantDrafter(self.variant, **config)
-            if self.profile is not None:
-                self.drafter.cost.use_profile(self.profile)
-        drafter = self.drafter
-        session = drafter.start(prompt, eos_ids=[self.eos])
-        session.observe = lambda d, t: drafter.cost.observe(d, t)
-        return session
+    return _LookupFactory(cost, eos, drafter_class=functools.partial(_VariantDrafter, variant),
+                          **ABLATIONS["lookupdec (all on)"])
 
 
 def study_variants(prompts, cost, eos) -> str:
-    factories = {name: _Factory(variant, cost, eos) for name, variant in VARIANTS.items()}
+    factories = {name: _factory(variant, cost, eos) for name, variant in VARIANTS.items()}
     rows = []
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
         for factory in factories.values():
@@ -226,31 +212,22 @@ def study_confidence(prompts, model, cost, eos) -> str:
     bins = [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 0.98), (0.98, 1.01)]
     tally = {b: [0, 0, 0.0] for b in bins}  # offers, first token right, predicted first
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
-        factory = _Factory(VARIANTS["lookupdec (all on)"], cost, eos)
+        factory = _factory(VARIANTS["lookupdec (all on)"], cost, eos)
         for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
             with torch.inference_mode():
                 logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1].float()
             top = logits.softmax(-1).max(-1).values.tolist()  # [len(answer)] the target's confidence per token
-            session = factory(prompt)
-            session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
-            done = 1
-            while done < len(answer):
-                offer = session.offer(len(answer) - done - 1)
-                right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
+
+            def choose(session, offer, right, done, top=top):
                 bucket = session._offered[0]
-                length = (best_draft_length(offer.first, offer.then, session._drafter.cost.costs(offer.tokens.size))
-                          if offer.tokens.size else 0)
                 if bucket is not None and bucket[0] == "index":
                     b = next(b for b in bins if b[0] <= top[done - 1] < b[1])
                     tally[b][0] += 1
                     tally[b][1] += right > 0
                     tally[b][2] += offer.first
-                session.take(length)
-                step = min(length, right)
-                session.commit(np.asarray(answer[done: done + step + 1], dtype=np.int32), step, None)
-                session.observe(length, cost(length))
-                done += step + 1
-            session.finish()
+                return lookupdec_length(session, offer)
+
+            replay_offers(factory, prompt, answer, cost, choose)
     lines = ["Index-match offers by the target's top probability at the token before the draft (teacher-forced).",
              "", "| top probability | offers | first token accepted | predicted by lookupdec |", "|---|---|---|---|"]
     for (lo, hi), (n, right, predicted) in tally.items():
@@ -300,25 +277,15 @@ def study_predictor(prompts, cost, eos) -> str:
     replays each suite with that model (fitted on the other suites) supplying the first-token odds."""
     samples = []  # (suite, features, first token right)
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
-        factory = _Factory(VARIANTS["lookupdec (all on)"], cost, eos)
+        factory = _factory(VARIANTS["lookupdec (all on)"], cost, eos)
+
+        def choose(session, offer, right, done, suite=suite):
+            if offer.tokens.size:
+                samples.append((suite, first_token_features(session, offer), float(right > 0)))
+            return lookupdec_length(session, offer)
+
         for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
-            session = factory(prompt)
-            session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
-            done = 1
-            while done < len(answer):
-                offer = session.offer(len(answer) - done - 1)
-                right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
-                length = 0
-                if offer.tokens.size:
-                    samples.append((suite, first_token_features(session, offer), float(right > 0)))
-                    length = best_draft_length(offer.first, offer.then,
-                                               session._drafter.cost.costs(offer.tokens.size))
-                session.take(length)
-                step = min(length, right)
-                session.commit(np.asarray(answer[done: done + step + 1], dtype=np.int32), step, None)
-                session.observe(length, cost(length))
-                done += step + 1
-            session.finish()
+            replay_offers(factory, prompt, answer, cost, choose)
     suites = np.array([s for s, _, _ in samples])
     x = np.stack([f for _, f, _ in samples])
     y = np.array([r for _, _, r in samples])
@@ -330,8 +297,8 @@ def study_predictor(prompts, cost, eos) -> str:
     weights = {s: _fit_logistic(x[suites != s], y[suites != s]) for s in dict.fromkeys(suites)}
     rows = []
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
-        factories = {"lookupdec (all on)": _Factory(VARIANTS["lookupdec (all on)"], cost, eos),
-                     "first-token odds from the logistic model": _Factory((None, False, None, weights[suite]), cost,
+        factories = {"lookupdec (all on)": _factory(VARIANTS["lookupdec (all on)"], cost, eos),
+                     "first-token odds from the logistic model": _factory((None, False, None, weights[suite]), cost,
                                                                           eos)}
         for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
             plain = len(answer) * cost(0)
