@@ -106,7 +106,8 @@ def test_hindsight_is_the_cheapest_schedule(simulate):
 
 def test_bounds_hold_for_the_drafters_they_bound(simulate):
     """On small repetitive texts, lookupdec's replay never beats the n-gram bound (every draft it makes copies from
-    a place that shares the last token), the per-pass best length sits between them, and any copy beats both."""
+    a place that shares the last token), nor do its per-pass-best-length and first-token-known replays, and any
+    copy beats the n-gram bound."""
     from lookupdec.drafter import DrafterConfig
 
     costs = [1.0, 1.6, 2.0, 1.5, 1.7, 1.8, 1.9]
@@ -117,7 +118,8 @@ def test_bounds_hold_for_the_drafters_they_bound(simulate):
     max_draft = DrafterConfig().max_draft
     rng = np.random.default_rng(2)
     for _ in range(15):
-        factory, best_length = (simulate._LookupFactory(cost, 99, shared=True, calibrate=False) for _ in range(2))
+        factory, best_length, first_known = (simulate._LookupFactory(cost, 99, shared=True, calibrate=False)
+                                             for _ in range(3))
         prior = []
         for _ in range(3):  # three requests per drafter, so the rolling cache has earlier outputs to offer
             prompt = rng.integers(0, 5, 40).tolist()
@@ -127,7 +129,9 @@ def test_bounds_hold_for_the_drafters_they_bound(simulate):
                                            max_draft)
             ours = simulate.replay(factory, prompt, answer, cost, 99)["time"]
             per_pass = simulate._best_length_replay(best_length, prompt, answer, cost)["time"]
+            knowing_first = simulate._first_known_replay(first_known, prompt, answer, cost)["time"]
             assert anywhere <= ngram + 1e-9
             assert ngram <= per_pass + 1e-9
             assert ngram <= ours + 1e-9
+            assert ngram <= knowing_first + 1e-9
             prior += [-1, *prompt[-factory.drafter.cache.max_n:], *answer]
