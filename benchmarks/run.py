@@ -10,8 +10,9 @@ shared machine hits all of them alike. Ratios are computed inside one run, never
 - ``lookupdec``: ``lookupdec.generate`` with a fresh ``LookupDrafter`` per request (no cross-request cache help)
 - ``lookupdec_hf``: ``model.generate(assistant_model=drafter)`` (transformers' loop), the drafter calibrated with
   ``lookupdec.calibrate`` as ``lookupdec.generate`` does on its own
-- ``oracle``: ``lookupdec.generate`` with a drafter that knows the greedy output and drafts up to 32 tokens: the
-  ceiling any lookup drafter can reach on this hardware with this loop.
+- ``oracle``: ``lookupdec.generate`` with a drafter that knows the greedy output and drafts as far as lookupdec may
+  (``DrafterConfig.max_draft``, 64 by default): the ceiling any lookup drafter can reach on this hardware with this
+  loop.
 
 Per prompt it records new tokens, target passes, tokens per pass (the target's own token of each pass included),
 acceptance by draft position, the share of time spent drafting, wall time, and whether the output is
@@ -58,7 +59,7 @@ SYSTEMS = ("greedy", "pld", "pld_tuned", "lookupdec", "lookupdec_hf", "oracle")
 class OracleDrafter:
     """Drafts the known greedy continuation: every draft is right, so only the verification cost remains."""
 
-    def __init__(self, answer: list, max_draft: int = 32):
+    def __init__(self, answer: list, max_draft: int):
         self.answer = answer
         self.max_draft = max_draft
 
@@ -128,7 +129,9 @@ def run_system(system, model, ids, args, counter, answer, pld):
             calibrate_or_warn(drafter, model)  # as lookupdec.generate does on its own (from memory after warm-up)
             out = model.generate(ids, attention_mask=mask, assistant_model=drafter, **kw)
         else:
-            drafter = OracleDrafter(answer) if system == "oracle" else LookupDrafter(**args.drafter)
+            drafter = LookupDrafter(**args.drafter)
+            if system == "oracle":  # as long a draft as lookupdec may make, so the ceiling is for the same cap
+                drafter = OracleDrafter(answer, drafter.drafter_config.max_draft)
             gen = torch.Generator().manual_seed(args.seed) if args.sample else None
             res = lookupdec.generate(model, ids, attention_mask=mask, drafter=drafter, generator=gen, **kw)
             out, stats = res.sequences, res.stats
@@ -227,12 +230,13 @@ def _acceptance_at(runs, pos):
 
 def markdown(rows, suite_rows, systems, meta):
     shown = [s for s in systems if s != "greedy"]
+    long = [d for d in (16, 32, 64) if d < len(meta.get("pass_costs", ()))]  # the longer drafts the caption lists
     head = "| suite | prompts | " + " | ".join(f"{s} x" for s in shown) + \
         " | lookupdec vs pld | vs pld_tuned | of oracle | tok/pass | draft time | identical |"
     lines = [f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, {meta['mode']}, "
              f"max_new_tokens={meta['max_new_tokens']}, reps={meta['reps']}, prompt lookup tuned={meta['pld_tuned']}",
-             *([("Pass cost by draft length d = 0..8, 16, 32 (lookupdec.calibrate, in plain steps): "
-                 + ", ".join(f"{meta['pass_costs'][d]:.2f}" for d in (*range(9), 16, 32)))]
+             *([(f"Pass cost by draft length d = 0..8, {', '.join(map(str, long))} (lookupdec.calibrate, in "
+                 "plain steps): " + ", ".join(f"{meta['pass_costs'][d]:.2f}" for d in (*range(9), *long)))]
                if len(meta.get("pass_costs", ())) > 32 else []),
              "", "Per suite (medians over prompts; `x` = speedup over plain greedy in the same run):", "", head,
              "|" + "---|" * (head.count("|") - 1)]
@@ -390,7 +394,8 @@ def main(argv=None):
         "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "drafter": args.drafter,
         # The pass cost the lookupdec drafters were calibrated with (measured once per model and thread count).
-        "pass_costs": ([round(float(c), 3) for c in pass_costs(model)]
+        "pass_costs": ([round(float(c), 3)
+                        for c in pass_costs(model, LookupDrafter(**args.drafter).drafter_config.max_draft)]
                        if args.drafter.get("calibrate", True) and {"lookupdec", "lookupdec_hf"} & set(systems)
                        else []),
     }

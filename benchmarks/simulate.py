@@ -195,8 +195,10 @@ class _PromptLookupSession:
 
 
 class _OracleSession:
-    def __init__(self, answer, k=32):
-        self.answer, self.k, self.done = answer, k, 0
+    """Drafts the true output, as long as lookupdec may draft (``DrafterConfig.max_draft``): the ceiling."""
+
+    def __init__(self, answer, k=None):
+        self.answer, self.k, self.done = answer, DrafterConfig().max_draft if k is None else k, 0
 
     def commit(self, tokens, accepted, seconds=None):
         self.done += len(tokens)
@@ -212,11 +214,12 @@ ABLATIONS = {
     "calibrated cost off (straight-line fit)": {"shared": True, "calibrate": False},
     "cursor off": {"shared": True, "cursor": False},
     "guard off": {"shared": True, "guard": False},
-    "adaptive off (32-token drafts)": {"shared": True, "adaptive": False},
+    f"adaptive off ({DrafterConfig().max_draft}-token drafts)": {"shared": True, "adaptive": False},
     "cache off": {"shared": True, "use_cache": False},
     "min_n=2": {"shared": True, "min_n": 2},
     "min_n=3": {"shared": True, "min_n": 3},
     "max_n=2": {"shared": True, "max_n": 2},
+    "max_draft=32": {"shared": True, "max_draft": 32},
     "fresh drafter per request": {},
     # transformers' prompt lookup as a DrafterConfig: 10-token drafts of the longest 1..2-gram match, nothing else
     # (it differs from transformers only in taking the most recent occurrence instead of the first).
@@ -417,7 +420,7 @@ def study_bounds(prompts, cost, eos, out: Path) -> str:
     and lookupdec itself. One drafter per suite: earlier outputs of the suite are copyable, each with the few
     prompt tokens before it that the rolling cache keeps, as in the ablation."""
     max_draft = DrafterConfig().max_draft
-    names = ["oracle (drafts the true output, up to 32 tokens)",
+    names = [f"oracle (drafts the true output, up to {max_draft} tokens)",
              "any copy, best lengths (hindsight bound)",
              "n-gram copy, best lengths (hindsight bound)",
              "lookupdec's copy source, per-pass best length",
@@ -484,7 +487,7 @@ def _cost_text(cost) -> str:
     """The cost model ``cost`` charges, in words, for the tables' captions."""
     if isinstance(cost, MeasuredCost):
         return ("the pass costs measured on this machine (lookupdec.calibrate): "
-                + ", ".join(f"d={d} {cost(d):.2f}" for d in (1, 2, 3, 4, 8, 16, 32)))
+                + ", ".join(f"d={d} {cost(d):.2f}" for d in (1, 2, 3, 4, 8, 16, 32, 64) if d < cost.profile.size))
     return "1 per plain step, 1.55 + 0.05 d per pass with d drafted tokens"
 
 
@@ -556,7 +559,7 @@ def main(argv=None):
             "pld": lambda pr: _PromptLookupSession(pr, 10, 2, eos),
             "pld_20_3": lambda pr: _PromptLookupSession(pr, 20, 3, eos),
             "lookupdec": _LookupFactory(cost, eos),
-            "fixed32": _LookupFactory(cost, eos, adaptive=False),
+            "fixed32": _LookupFactory(cost, eos, adaptive=False, max_draft=32),
             "oracle": lambda pr: _OracleSession(answer),
         }
         row = {"suite": p.suite, "name": p.name, "tokens": len(answer)}

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .drafter import PassCost, linear_costs
+from .drafter import DrafterConfig, PassCost, linear_costs
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,8 @@ def expected_speedup(first: float, then: float, costs: Sequence[float], draft_le
 
 def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first: float | None = None,
                           then: float | None = None, jump: float | None = None, slope: float | None = None,
-                          costs: Sequence[float] | None = None, max_draft: int = 32, measured: float | None = None):
+                          costs: Sequence[float] | None = None, max_draft: int | None = None,
+                          measured: float | None = None):
     """The cost model's expected speedup over draft length, for the run's acceptance and verification cost, with
     the run marked on it.
 
@@ -288,7 +289,9 @@ def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first:
     drafter's (its measured profile after ``lookupdec.calibrate``, or its running straight-line fit), else a
     straight line fitted to the trace's own pass times. The run is marked at its mean draft length and its tokens
     per pass divided by the mean cost of its passes (the speedup the cost model credits it with); ``measured``
-    (e.g. plain time / lookup time) adds the wall-clock speedup at the same draft length. Returns the axes.
+    (e.g. plain time / lookup time) adds the wall-clock speedup at the same draft length. The curve runs to
+    ``max_draft``: by default the drafter's (``DrafterConfig.max_draft``), or the default config's.
+    Returns the axes.
     """
     import matplotlib.pyplot as plt
 
@@ -298,6 +301,9 @@ def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first:
     summary = TraceSummary(steps)
     first = summary.first if first is None else first
     then = summary.then if then is None else then
+    if max_draft is None:
+        config = getattr(drafter, "drafter_config", None) or DrafterConfig()
+        max_draft = config.max_draft
     longest = max([max_draft, *(len(s.draft) for s in steps)])
     cost = drafter.cost if drafter is not None else _fitted_cost(steps)  # what the arguments do not say
     if costs is not None:

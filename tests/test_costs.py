@@ -127,13 +127,13 @@ def test_a_failed_calibration_warns_and_keeps_the_straight_line(tiny_factory, ca
 
     short = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=30)).eval()
     prompt = torch.tensor([[5, 6, 7, 5, 6]])
-    drafter = LookupDrafter()  # max_draft 32 does not fit in 30 positions: nothing to measure
+    drafter = LookupDrafter()  # a draft of max_draft (64) does not fit in 30 positions: nothing to measure
     out = lookupdec.generate(short, prompt, max_new_tokens=4, drafter=drafter)
     assert torch.equal(out.sequences, short.generate(prompt, attention_mask=torch.ones_like(prompt),
                                                      max_new_tokens=4, do_sample=False))
     assert drafter.cost.profile is None
     assert "could not measure the pass cost of GPT2LMHeadModel" in caplog.text
-    with pytest.raises(ValueError, match="cannot hold a 32-token draft"):
+    with pytest.raises(ValueError, match="cannot hold a 64-token draft"):
         lookupdec.calibrate(drafter, short)
 
 
@@ -149,7 +149,7 @@ def test_generate_leaves_a_profile_set_by_hand_alone_and_follows_the_model(tiny_
     assert drafter.cost.profile_source is llama
     lookupdec.generate(gpt2, prompt, max_new_tokens=3, drafter=drafter)  # a drafter moved to another model
     assert drafter.cost.profile_source is gpt2
-    assert drafter.cost.profile.tolist() == pytest.approx(cal.pass_costs(gpt2, 32).tolist())
+    assert drafter.cost.profile.tolist() == pytest.approx(cal.pass_costs(gpt2, drafter.drafter_config.max_draft).tolist())
 
 
 def test_measuring_one_model_does_not_hold_up_another(tiny_factory, cache_dir, monkeypatch):

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 import lookupdec
-from lookupdec.drafter import LookupDrafter, best_draft_length, linear_costs
+from lookupdec.drafter import (
+    DrafterConfig,
+    LookupDrafter,
+    best_draft_length,
+    linear_costs,
+)
 from lookupdec.trace import (
     TraceRecorder,
     TraceStep,
@@ -177,6 +182,11 @@ def test_plots_draw_the_curves_and_mark_the_run():
     assert only_jump.get_label().endswith(f"jump 0.30, slope {drafter.cost.relative()[1]:.3f})")
     with pytest.raises(ValueError, match="costs must cover"):
         plot_expected_speedup(trace, costs=[1.0, 2.0], max_draft=8)
+    # Without max_draft the curve runs as far as the drafter may draft (else the default config's limit).
+    short = plot_expected_speedup(trace, LookupDrafter(max_draft=12)).get_lines()[0]
+    assert list(short.get_xdata()) == list(range(13))
+    default = plot_expected_speedup(trace, jump=0.5, slope=0.05).get_lines()[0]
+    assert list(default.get_xdata()) == list(range(DrafterConfig().max_draft + 1))
     plt.close("all")
 
 
