@@ -12,6 +12,10 @@ Three studies, each replaying the cached greedy outputs of ``simulate.py`` (run 
   (how many earlier occurrences of the suffix there are and how many continue with the candidate's first token,
   for n = 1..4): its cross-validated AUC against lookupdec's own odds, and the speed its odds buy when fitted on
   the other suites. (Knowing the answer outright is a row of ``simulate.py --bounds``.)
+- ``--survival``: lengths chosen from a run-length model instead of the geometric one. Copies are bursty, so the
+  chance that token i of a draft is right given the ones before it may change with i; this keeps, per source
+  bucket, a forgotten count of drafts that reached and broke at each position (binned) and drafts the length with
+  the most expected tokens per unit of cost under that survival curve.
 - ``--prefill RESULTS``: how much of plain greedy's wall time in a ``run.py`` results file is the prompt's
   prefill (timed here, per prompt, at the run's thread count: fastest of 3), and the ratio of lookupdec to prompt
   lookup with that time left out. An estimate (the prefill is timed apart from the run), for explaining how the
@@ -22,6 +26,7 @@ Examples::
     python benchmarks/variants.py --variants --measure-cost
     python benchmarks/variants.py --confidence --measure-cost
     python benchmarks/variants.py --predictor --measure-cost
+    python benchmarks/variants.py --survival --measure-cost
     python benchmarks/variants.py --prefill benchmarks/results/full3/results.json
 """
 
@@ -318,6 +323,80 @@ def study_predictor(prompts, cost, eos) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Draft positions (1 = the first drafted token) binned for the survival model: [1], [2], [3], [4, 5], [6, 8], ...
+_SURVIVAL_EDGES = np.array([1, 2, 3, 4, 6, 9, 13, 17, 25, 33, 49, 65])
+_SURVIVAL_PRIOR = 4.0  # pseudo-drafts behind each bin's prior hazard, 1 - then
+_SURVIVAL_KEEP = 0.97  # forgetting per update, as the drafter's own estimates
+
+
+class _Survival:
+    """Per source bucket, forgotten counts of drafts at risk and broken at each binned position >= 2 (position 1 is
+    the drafter's own first-token odds)."""
+
+    def __init__(self):
+        self.counts = {}  # bucket -> (at risk [bins], broke [bins])
+
+    def _bins(self, positions: np.ndarray) -> np.ndarray:
+        return np.searchsorted(_SURVIVAL_EDGES, np.minimum(positions, _SURVIVAL_EDGES[-1] - 1), side="right") - 1
+
+    def length(self, session, offer) -> int:
+        """The length with the most expected tokens per unit of cost, or 0 when none beats a plain step by 2%."""
+        size = offer.tokens.size
+        if size == 0:
+            return 0
+        bins = len(_SURVIVAL_EDGES) - 1
+        risk, broke = self.counts.get(session._offered[0], (np.zeros(bins), np.zeros(bins)))
+        hazard = (broke + (1 - offer.then) * _SURVIVAL_PRIOR) / (risk + _SURVIVAL_PRIOR)
+        per_token = hazard[self._bins(np.arange(1, size + 1))]
+        per_token[0] = 1 - offer.first
+        gains = (1 + np.cumsum(np.cumprod(1 - per_token))) / session._drafter.cost.costs(size)[1:]
+        best = int(np.argmax(gains))
+        return best + 1 if gains[best] > 1.02 else 0
+
+    def update(self, bucket, accepted: int, drafted: int) -> None:
+        """A draft of ``drafted`` tokens got ``accepted`` right: positions 2 .. accepted + 1 (as far as drafted) were
+        at risk, and position accepted + 1 broke if it was drafted."""
+        if drafted == 0 or accepted == 0:
+            return  # position 1 is the drafter's first-token estimate
+        bins = len(_SURVIVAL_EDGES) - 1
+        risk, broke = (c * _SURVIVAL_KEEP for c in self.counts.get(bucket, (np.zeros(bins), np.zeros(bins))))
+        np.add.at(risk, self._bins(np.arange(2, min(accepted + 1, drafted) + 1)), 1.0)
+        if accepted < drafted:
+            broke[self._bins(np.array([accepted + 1]))[0]] += 1.0
+        self.counts[bucket] = (risk, broke)
+
+
+def study_survival(prompts, cost, eos) -> str:
+    """lookupdec's lengths against lengths from :class:`_Survival`, the same copy sources, one drafter per suite."""
+    rows = []
+    for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
+        ours, theirs, model = _factory(VARIANTS["lookupdec (all on)"], cost, eos), \
+            _factory(VARIANTS["lookupdec (all on)"], cost, eos), _Survival()
+
+        def choose(session, offer, right, done, model=model):
+            length = model.length(session, offer)
+            model.update(session._offered[0], min(length, right), length)
+            return length
+
+        for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
+            plain = len(answer) * cost(0)
+            base = replay_offers(ours, prompt, answer, cost, lambda s, o, r, d: lookupdec_length(s, o))["time"]
+            rows.append({"suite": suite, "lookupdec": plain / base,
+                         "survival": plain / replay_offers(theirs, prompt, answer, cost, choose)["time"]})
+    order = list(dict.fromkeys(r["suite"] for r in rows))
+    lines = [(f"Simulated (cost model: {_cost_text(cost)}), one drafter per suite; median speedup over greedy, and "
+              "in brackets the median per-prompt ratio to lookupdec (min .. max)."), "",
+             "| | " + " | ".join(order) + " |", "|---" * (len(order) + 1) + "|"]
+    for name in ("lookupdec", "survival"):
+        cells = []
+        for s in order:
+            ratios = [r[name] / r["lookupdec"] for r in rows if r["suite"] == s]
+            cells.append(f"{statistics.median(r[name] for r in rows if r['suite'] == s):.2f}x "
+                         f"({statistics.median(ratios):.3f}, {min(ratios):.2f} .. {max(ratios):.2f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def study_prefill(results: Path, model, tokenizer) -> str:
     data = json.loads(results.read_text())
     threads = int(data["meta"]["machine"].split(",")[1].split()[0])
@@ -355,19 +434,21 @@ def main(argv=None):
     ap.add_argument("--confidence", action="store_true", help="acceptance by the target's confidence")
     ap.add_argument("--predictor", action="store_true",
                     help="a logistic first-token model over n-gram statistics: its AUC, and the speed it buys")
+    ap.add_argument("--survival", action="store_true",
+                    help="lengths from a per-position run-length model instead of the geometric one")
     ap.add_argument("--prefill", type=Path, help="a run.py results.json: prefill share and ratios without it")
     ap.add_argument("--measure-cost", action="store_true", help="charge the pass cost measured on this machine")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--greedy", type=Path, default=Path("benchmarks/results/greedy_smollm2_256.json"),
                     help="simulate.py's cached greedy outputs")
     args = ap.parse_args(argv)
-    if not (args.variants or args.confidence or args.predictor or args.prefill):
-        ap.error("choose --variants, --confidence, --predictor or --prefill")
+    if not (args.variants or args.confidence or args.predictor or args.survival or args.prefill):
+        ap.error("choose --variants, --confidence, --predictor, --survival or --prefill")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(None)
     if args.prefill:
         print(study_prefill(args.prefill, model, tokenizer))
-    if not (args.variants or args.confidence or args.predictor):
+    if not (args.variants or args.confidence or args.predictor or args.survival):
         return
     cost = MeasuredCost(pass_costs(model, 128)) if args.measure_cost else cpu_cost
     eos = model.generation_config.eos_token_id
@@ -384,6 +465,8 @@ def main(argv=None):
         print(study_confidence(prompts, model, cost, eos))
     if args.predictor:
         print(study_predictor(prompts, cost, eos))
+    if args.survival:
+        print(study_survival(prompts, cost, eos))
 
 
 if __name__ == "__main__":
