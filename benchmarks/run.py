@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from workloads import COPY_HEAVY, SUITES
 
 import lookupdec
-from lookupdec import LookupDrafter
+from lookupdec import DrafterConfig, LookupDrafter
 from lookupdec.costs import calibrate_or_warn, pass_costs
 from lookupdec.models import load_model
 
@@ -129,9 +129,10 @@ def run_system(system, model, ids, args, counter, answer, pld):
             calibrate_or_warn(drafter, model)  # as lookupdec.generate does on its own (from memory after warm-up)
             out = model.generate(ids, attention_mask=mask, assistant_model=drafter, **kw)
         else:
-            drafter = LookupDrafter(**args.drafter)
             if system == "oracle":  # as long a draft as lookupdec may make, so the ceiling is for the same cap
-                drafter = OracleDrafter(answer, drafter.drafter_config.max_draft)
+                drafter = OracleDrafter(answer, DrafterConfig(**args.drafter).max_draft)
+            else:
+                drafter = LookupDrafter(**args.drafter)
             gen = torch.Generator().manual_seed(args.seed) if args.sample else None
             res = lookupdec.generate(model, ids, attention_mask=mask, drafter=drafter, generator=gen, **kw)
             out, stats = res.sequences, res.stats
@@ -395,7 +396,7 @@ def main(argv=None):
         "drafter": args.drafter,
         # The pass cost the lookupdec drafters were calibrated with (measured once per model and thread count).
         "pass_costs": ([round(float(c), 3)
-                        for c in pass_costs(model, LookupDrafter(**args.drafter).drafter_config.max_draft)]
+                        for c in pass_costs(model, DrafterConfig(**args.drafter).max_draft)]
                        if args.drafter.get("calibrate", True) and {"lookupdec", "lookupdec_hf"} & set(systems)
                        else []),
     }
