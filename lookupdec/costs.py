@@ -81,7 +81,8 @@ def calibrate_or_warn(drafter: LookupDrafter, model, on_measure=None) -> None:
                      type(model).__name__, err)
 
 
-def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, refresh: bool = False, on_measure=None) -> np.ndarray:
+def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, refresh: bool = False,
+               on_measure=None) -> np.ndarray:
     """``profile[d]`` for ``d = 0 .. max_draft`` (a new array): the time of one target pass with ``d`` drafted
     tokens, relative to a plain step, on this model, device, dtype and torch thread count. Read from
     ``cache_dir()/costs/`` when measured before (``refresh`` measures again), kept in memory per model. Other
@@ -117,8 +118,8 @@ def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, refresh: bool
         return profile[: max_draft + 1].copy()
 
 
-def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, context: int = CONTEXT, rounds: int = ROUNDS,
-                       budget_s: float = BUDGET_S) -> np.ndarray:
+def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, context: int = CONTEXT,
+                       rounds: int = ROUNDS, budget_s: float = BUDGET_S) -> np.ndarray:
     """Time target passes of ``d + 1`` tokens on a ``context``-token cache for ``d`` in :func:`_lengths`, in
     interleaved rounds after one untimed warm-up round: ``rounds`` of them, or more while they fit in
     ``budget_s`` seconds (fast models get more samples), at most ``MAX_ROUNDS``. Keeps each length's fastest time

@@ -48,8 +48,8 @@ SEPARATOR = -1  # between reference texts in the index buffer; never a real toke
 @dataclass(frozen=True)
 class DrafterConfig:
     # Longest draft. On a 2-core CPU (SmolLM2-135M, one thread) verifying 32 tokens costs about 3.7 plain steps and
-    # 64 about 6, so a copy that is right for 64 tokens still pays more at 64 than as two passes of 32; the cost
-    # model keeps drafts short when copies are not that certain.
+    # 64 about 6, so a copy that stays right for 64 tokens is cheaper as one pass than as two; the cost model keeps
+    # drafts short when copies are less certain.
     max_draft: int = 64
     # n-gram sizes the index matches; 1 lets a single shared token start a copy (the cost model prices it).
     min_n: int = 1
