@@ -260,7 +260,18 @@ def ablate(prompts, cost, eos, out: Path) -> str:
             cells.append(statistics.median(r[name][col] for r in rows))
             lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" + ("x" if col == 0 else "") for c in cells) + " |")
         lines.append("")
-    table = "\n".join(lines)
+    # Per prompt, each row against everything on: a median can hide a mechanism that helps some prompts and hurts
+    # others.
+    base = names[0]
+    head = "| per-prompt speed ratio to " + base + ": median (min .. max) | " + " | ".join(suites) + " | all |"
+    lines += [head, "|---" * (len(suites) + 2) + "|"]
+    for name in names[1:]:
+        cells = []
+        for group in [[r for r in rows if r["suite"] == s] for s in suites] + [rows]:
+            ratios = [r[name][0] / r[base][0] for r in group]
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f} .. {max(ratios):.2f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table)
     return table
