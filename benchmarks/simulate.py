@@ -533,7 +533,7 @@ def main(argv=None):
     cost = cpu_cost
     if args.measure_cost:
         cost = MeasuredCost(pass_costs(model, 128))
-        print("measured relative pass cost (lookupdec.calibrate):", np.round(cost.profile[:33], 2).tolist())
+        print("measured relative pass cost (lookupdec.calibrate):", np.round(cost.profile[: DrafterConfig().max_draft + 1], 2).tolist())
 
     cache_file = args.out / f"greedy_{(args.model or 'smollm2').replace('/', '_')}_{args.max_new_tokens}.json"
     cached = json.loads(cache_file.read_text()) if cache_file.exists() else {}

@@ -1,6 +1,6 @@
 """Drafting ideas we tried and did not build, kept runnable so the README's "Tried and not built" can be checked.
 
-Three studies, each replaying the cached greedy outputs of ``simulate.py`` (run ``simulate.py`` once first):
+Five studies; all but ``--prefill`` replay the cached greedy outputs of ``simulate.py`` (run ``simulate.py`` once first):
 
 - ``--variants``: other rules for where to copy from and how much to draft, against lookupdec as it is, in the
   same noise-free simulation as ``simulate.py --ablate`` (one drafter per suite; ``--measure-cost`` charges the
@@ -325,7 +325,7 @@ def study_predictor(prompts, cost, eos) -> str:
 
 # Draft positions (1 = the first drafted token) binned for the survival model: [1], [2], [3], [4, 5], [6, 8], ...
 _SURVIVAL_EDGES = np.array([1, 2, 3, 4, 6, 9, 13, 17, 25, 33, 49, 65])
-_SURVIVAL_PRIOR = 4.0  # pseudo-drafts behind each bin's prior hazard, 1 - then
+_SURVIVAL_PRIOR = 4.0  # pseudo-positions at risk behind each bin's prior hazard, 1 - then (a wide bin sees more)
 _SURVIVAL_KEEP = 0.97  # forgetting per update, as the drafter's own estimates
 
 

@@ -6,7 +6,7 @@ and the math library, not of the text. On this project's 2-core CPU (SmolLM2-135
 far from a straight line: MKL runs matrix products with 2 or 3 rows as that many matrix-vector products and only
 from 4 rows on as a matrix-matrix product, so a pass with 2 drafted tokens (3 rows fed) costs about 2.0 plain
 steps while one with 3 drafted tokens costs about 1.5; with two threads the whole curve is flatter (32 drafted
-tokens: 2.5 steps instead of 3.8). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
+tokens: 2.5-3.0 steps instead of 3.7). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
 a pass at every draft length up to 16 and every fourth one beyond (interpolated between), on a synthetic context,
 and keeps the result in ``cache_dir()/costs/`` keyed by everything that changes it.
 

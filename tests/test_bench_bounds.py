@@ -1,5 +1,6 @@
 """The hindsight bounds of benchmarks/simulate.py (``--bounds``): the README's account of where the gap to the
-oracle comes from rests on them, so they are checked against brute force on small cases."""
+oracle comes from rests on them, so they are checked against brute force on small cases. Also the bookkeeping of
+benchmarks/variants.py's survival model, behind one of the README's "Tried and not built" entries."""
 
 import functools
 import importlib.util
@@ -135,3 +136,48 @@ def test_bounds_hold_for_the_drafters_they_bound(simulate):
             assert ngram <= ours + 1e-9
             assert ngram <= knowing_first + 1e-9
             prior += [-1, *prompt[-factory.drafter.cache.max_n:], *answer]
+
+
+@pytest.fixture(scope="module")
+def variants(simulate):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_variants", BENCH / "variants.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_survival_model_counts_positions_at_risk_and_breaks(variants):
+    from types import SimpleNamespace
+
+    from lookupdec.drafter import Offer, PassCost, best_draft_length
+
+    model, bucket, keep = variants._Survival(), ("index", 2), variants._SURVIVAL_KEEP
+    bins = len(variants._SURVIVAL_EDGES) - 1
+
+    def at(*positions):  # counts per bin of the given draft positions
+        return np.bincount(model._bins(np.array(positions)), minlength=bins)
+
+    assert model._bins(np.array([1, 2, 3, 4, 5, 6, 8, 9, 64, 200])).tolist() == [0, 1, 2, 3, 3, 4, 4, 5, 10, 10]
+    model.update(bucket, 3, 5)  # tokens 1-3 right, 4 wrong: positions 2-4 were at risk, 4 broke
+    risk, broke = model.counts[bucket]
+    assert risk.tolist() == at(2, 3, 4).tolist() and broke.tolist() == at(4).tolist()
+    model.update(bucket, 5, 5)  # all right: positions 2-5 at risk, nothing broke; the old counts are forgotten
+    risk, broke = model.counts[bucket]
+    assert risk == pytest.approx(keep * at(2, 3, 4) + at(2, 3, 4, 5)) and broke == pytest.approx(keep * at(4))
+    before = [c.copy() for c in model.counts[bucket]]
+    model.update(bucket, 0, 5)  # wrong at the first token: that is the drafter's first-token estimate, not ours
+    model.update(bucket, 0, 0)  # nothing drafted
+    assert all((a == b).all() for a, b in zip(model.counts[bucket], before))
+
+    # With no counts every bin holds its prior hazard 1 - then: the geometric model, so the same length as ours.
+    cost = PassCost()
+    cost.use_profile([1.0, 1.6, 2.0, 1.5, 1.7, 1.75, 1.9, 1.8, 2.0, 2.1, 2.2])
+    tokens = np.arange(10, dtype=np.int32)
+    for first, then in ((0.9, 0.95), (0.5, 0.8), (0.2, 0.6)):
+        session = SimpleNamespace(_offered=(("cursor", 8), -1, tokens), _drafter=SimpleNamespace(cost=cost))
+        assert variants._Survival().length(session, Offer(tokens, first, then)) == \
+            best_draft_length(first, then, cost.costs(tokens.size))
