@@ -13,16 +13,22 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def simulate():
+def _load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (the benchmarks import each other by name, so their folder is on the path
+    while it loads)."""
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("bench_simulate", BENCH / "simulate.py")
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def simulate():
+    return _load_benchmark("simulate")
 
 
 def _brute_lengths(prior, prompt, answer, limit, ngram):
@@ -139,15 +145,8 @@ def test_bounds_hold_for_the_drafters_they_bound(simulate):
 
 
 @pytest.fixture(scope="module")
-def variants(simulate):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_variants", BENCH / "variants.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+def variants():
+    return _load_benchmark("variants")
 
 
 def test_survival_model_counts_positions_at_risk_and_breaks(variants):
