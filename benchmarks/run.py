@@ -199,17 +199,21 @@ def summarize(records, systems):
         if "lookupdec" in systems:
             row["vs_pld"] = med["pld"] / med["lookupdec"] if "pld" in systems else None
             row["vs_pld_tuned"] = med["pld_tuned"] / med["lookupdec"] if "pld_tuned" in systems else None
+            row["vs_pld_hf"] = med["pld"] / med["lookupdec_hf"] if {"pld", "lookupdec_hf"} <= set(systems) else None
             row["of_oracle"] = (med["oracle"] / med["lookupdec"]) if "oracle" in systems else None
             ld = [r for r in rec["runs"] if r["system"] == "lookupdec"]
             row["draft_share"] = statistics.median(r["draft_seconds"] / r["seconds"] for r in ld)
         rows.append(row)
-    suites = {}
+    groups = {}
     for row in rows:
-        suites.setdefault(row["suite"], []).append(row)
+        groups.setdefault(row["suite"], []).append(row)
+    if all(suite in groups for suite in COPY_HEAVY):  # the speed issue's copy-heavy targets are over these together
+        groups[" + ".join(COPY_HEAVY)] = [row for row in rows if row["suite"] in COPY_HEAVY]
     suite_rows = []
-    for suite, items in suites.items():
-        agg = {"suite": suite, "prompts": len(items)}
-        runs = [r for rec in records if rec["suite"] == suite for r in rec["runs"] if r["system"] == "lookupdec"]
+    for name, items in groups.items():
+        agg = {"suite": name, "prompts": len(items)}
+        members = {item["suite"] for item in items}
+        runs = [r for rec in records if rec["suite"] in members for r in rec["runs"] if r["system"] == "lookupdec"]
         agg["accept_by_position"] = [_acceptance_at(runs, p - 1) for p in ACCEPT_POSITIONS]
         for key in items[0]:
             if key.startswith(("x_", "tpp_", "vs_", "of_", "draft_")) and items[0][key] is not None:
@@ -233,7 +237,7 @@ def markdown(rows, suite_rows, systems, meta):
     shown = [s for s in systems if s != "greedy"]
     long = [d for d in (16, 32, 64) if d < len(meta.get("pass_costs", ()))]  # the longer drafts the caption lists
     head = "| suite | prompts | " + " | ".join(f"{s} x" for s in shown) + \
-        " | lookupdec vs pld | vs pld_tuned | of oracle | tok/pass | draft time | identical |"
+        " | lookupdec vs pld | vs pld_tuned | lookupdec_hf vs pld | of oracle | tok/pass | draft time | identical |"
     lines = [f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, {meta['mode']}, "
              f"max_new_tokens={meta['max_new_tokens']}, reps={meta['reps']}, prompt lookup tuned={meta['pld_tuned']}",
              *([(f"Pass cost by draft length d = 0..8, {', '.join(map(str, long))} (lookupdec.calibrate, in "
@@ -250,7 +254,8 @@ def markdown(rows, suite_rows, systems, meta):
     for r in suite_rows:
         same = all(r.get(f"same_{s}", True) for s in ("lookupdec", "lookupdec_hf", "oracle") if s in systems)
         lines.append(f"| {r['suite']} | {r['prompts']} | " + " | ".join(fmt(r.get(f"x_{s}")) for s in shown) +
-                     f" | {fmt(r.get('vs_pld'))} | {fmt(r.get('vs_pld_tuned'))} | {fmt(r.get('of_oracle'), True)}"
+                     f" | {fmt(r.get('vs_pld'))} | {fmt(r.get('vs_pld_tuned'))} | {fmt(r.get('vs_pld_hf'))}"
+                     f" | {fmt(r.get('of_oracle'), True)}"
                      f" | {fmt(r.get('tpp_lookupdec'))} | {fmt(r.get('draft_share'), True)} | "
                      f"{'yes' if same else 'NO'} |")
     lines += ["", "Acceptance of lookupdec's drafts by draft position (accepted / drafted, all prompts of the suite):", "",

@@ -1,6 +1,7 @@
 """The hindsight bounds of benchmarks/simulate.py (``--bounds``): the README's account of where the gap to the
 oracle comes from rests on them, so they are checked against brute force on small cases. Also the bookkeeping of
-benchmarks/variants.py's survival model, behind one of the README's "Tried and not built" entries."""
+benchmarks/variants.py's survival model, behind one of the README's "Tried and not built" entries, and
+the per-suite summary of benchmarks/run.py that the issue targets are read from."""
 
 import functools
 import importlib.util
@@ -20,6 +21,7 @@ def _load_benchmark(name: str):
     try:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
         spec.loader.exec_module(module)
         return module
     finally:
@@ -180,3 +182,33 @@ def test_survival_model_counts_positions_at_risk_and_breaks(variants):
         session = SimpleNamespace(_offered=(("cursor", 8), -1, tokens), _drafter=SimpleNamespace(cost=cost))
         assert variants._Survival().length(session, Offer(tokens, first, then)) == \
             best_draft_length(first, then, cost.costs(tokens.size))
+
+
+def test_run_summary_pools_the_copy_heavy_suites():
+    # The speed issue's copy-heavy targets are medians over the yaml and code prompts together: run.py's summary
+    # adds that row, each route's ratio to prompt lookup taken per prompt, then the median.
+    run = _load_benchmark("run")
+
+    def record(suite, name, seconds):
+        runs = [{"system": s, "seconds": t, "new_tokens": 10, "passes": 5, "identical": True, "draft_seconds": 0.0,
+                 "accepted_per_position": [], "drafted_per_position": []} for s, t in seconds.items()]
+        return {"suite": suite, "name": name, "prompt_tokens": 5, "runs": runs}
+
+    records = [record("yaml", "a", {"greedy": 8, "pld": 4, "lookupdec": 2, "lookupdec_hf": 4}),
+               record("yaml", "b", {"greedy": 8, "pld": 4, "lookupdec": 1, "lookupdec_hf": 2}),
+               record("code", "c", {"greedy": 6, "pld": 3, "lookupdec": 3, "lookupdec_hf": 3}),
+               record("qa", "d", {"greedy": 6, "pld": 6, "lookupdec": 3, "lookupdec_hf": 6})]
+    systems = ["greedy", "pld", "lookupdec", "lookupdec_hf"]
+    rows, suites = run.summarize(records, systems)
+    by = {r["suite"]: r for r in suites}
+    assert list(by) == ["yaml", "code", "qa", "yaml + code"]
+    assert by["yaml + code"]["prompts"] == 3
+    assert by["yaml + code"]["vs_pld"] == 2.0  # per prompt 2, 4, 1
+    assert by["yaml + code"]["vs_pld_hf"] == 1.0  # per prompt 1, 2, 1
+    assert by["yaml"]["vs_pld"] == 3.0 and by["qa"]["vs_pld_hf"] == 1.0
+    meta = {"date": "d", "machine": "m", "model": "x", "mode": "greedy", "max_new_tokens": 10, "reps": 1,
+            "pld_tuned": None}
+    table = run.markdown(rows, suites, systems, meta)
+    assert "| yaml + code | 3 | 2.00 | 4.00 | 2.00 | 2.00 | - | 1.00 |" in table  # pld, ours, hf: x greedy
+    _, alone = run.summarize(records[:2], systems)
+    assert [r["suite"] for r in alone] == ["yaml"]  # no pooled row without both suites
