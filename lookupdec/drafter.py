@@ -415,8 +415,8 @@ class DraftSession:
 
     def propose(self, limit: int, *, must_draft: bool = False) -> np.ndarray:
         """Up to ``limit`` draft tokens (int32, possibly empty) to verify next. ``must_draft``: the caller cannot
-        verify an empty draft (transformers' loop), so when there is a candidate the best length of at least one
-        token is drafted even where a plain step would pay better; empty still means no candidate at all."""
+        verify an empty draft (transformers' sampling rule), so when there is a candidate the best length of at
+        least one token is drafted even where a plain step would pay better; empty still means no candidate."""
         cfg = self._drafter.drafter_config
         offer = self.offer(limit)
         if not cfg.adaptive or offer.tokens.size == 0:

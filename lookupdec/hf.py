@@ -17,10 +17,13 @@ Three jobs:
    token, so ``q`` is exactly the point mass our drafts are (``lookupdec.verify`` explains why that is exact).
 
    Two limits of transformers' candidate interface, stated here because they cost speed, not exactness:
-   a candidate generator built this way cannot return an empty draft (it stacks the scores of the drafted
-   tokens), so this route always drafts at least one token; and it learns the target's vocabulary size (needed
-   for ``q`` under sampling) from transformers' own check that the assistant shares the target's vocabulary,
-   which a lookup drafter always does because it copies the target's token ids.
+   a candidate generator built this way stacks the scores of the drafted tokens, so it has no way to say "no
+   draft". Under greedy the scores are never read, so an empty draft goes back with one placeholder row and the
+   pass is a plain step, as in our own loop (the never-slower guard works here too). Under sampling
+   transformers' speculative rule indexes the scores by draft position and fails on an empty draft, so this
+   route drafts at least one token there. And it learns the target's vocabulary size (needed for ``q`` under
+   sampling) from transformers' own check that the assistant shares the target's vocabulary, which a lookup
+   drafter always does because it copies the target's token ids.
 3. :func:`target_forward`: one pass of the target on a ``DynamicCache`` (:func:`rollback_cache`), under whichever
    names this transformers version gives the cache and ``logits_to_keep`` (the loop and the pass-cost calibration
    share them).
@@ -232,26 +235,31 @@ def _assistant_generate(
             state.session.finish()
         state.session = drafter.start(seq, eos_ids=eos)
     state.sequence = seq
-    # transformers cannot verify an empty candidate (module docstring): when drafting would not pay, the pass
-    # is paid anyway, so draft the length that pays best in it; with no candidate, offer the likeliest token.
-    draft = state.session.propose(max_new_tokens, must_draft=True)
-    if len(draft) == 0 and max_new_tokens > 0:
-        draft = state.session.fallback_token()
+    do_sample = bool(generation_config is not None and generation_config.do_sample)
+    if do_sample:
+        # transformers' sampling rule cannot verify an empty candidate (module docstring): when drafting would
+        # not pay, the pass is paid anyway, so draft the length that pays best in it; with no candidate, offer
+        # the likeliest token.
+        draft = state.session.propose(max_new_tokens, must_draft=True)
+        if len(draft) == 0 and max_new_tokens > 0:
+            draft = state.session.fallback_token()
+    else:
+        draft = state.session.propose(max_new_tokens)
     state.last_draft = draft
     state.last_call = time.perf_counter()
     draft_ids = torch.from_numpy(draft.astype(np.int64))[None, :]  # [1, d]
     sequences = torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=1)
-    do_sample = bool(generation_config is not None and generation_config.do_sample)
     return ModelOutput(sequences=sequences, scores=_point_mass_scores(draft, state.config, do_sample), cache=None)
 
 
 def _point_mass_scores(draft: np.ndarray, config: _AssistantConfig, do_sample: bool) -> tuple:
     """Per drafted token, logits of the draft distribution q: a point mass on the drafted token.
 
-    Greedy verification never reads them, so they are one column wide there; sampling needs the full vocabulary.
+    Greedy verification never reads them, so they are one column wide there, and an empty draft gets one
+    placeholder row (transformers stacks the rows, which fails on none); sampling needs the full vocabulary.
     """
     if not do_sample:
-        return tuple(torch.zeros(1, 1) for _ in draft)
+        return tuple(torch.zeros(1, 1) for _ in range(max(len(draft), 1)))
     vocab = config.vocab_size_seen
     if vocab is None:
         raise ValueError("pass LookupDrafter(vocab_size=model.config.vocab_size) to sample on this route")

@@ -143,8 +143,9 @@ def test_without_the_guard_the_drafter_keeps_drafting_where_drafts_fail():
 
 
 def test_a_caller_that_must_draft_gets_the_length_that_pays_best_in_a_pass_it_pays_anyway():
-    # transformers' loop cannot verify an empty draft. Where the guard would draft nothing, must_draft drafts the
-    # best length of at least one token under the cost curve: here 3, the cheapest pass of this jagged profile.
+    # transformers' sampling rule cannot verify an empty draft. Where the guard would draft nothing, must_draft
+    # drafts the best length of at least one token under the cost curve: here 3, the cheapest pass of this jagged
+    # profile.
     rng = np.random.default_rng(0)
     drafter = LookupDrafter(use_cache=False)
     drafter.cost.use_profile([1.0, 1.6, 2.0, 1.5, 1.7, 1.75, 1.95, 1.8, 2.0] + [2.0 + 0.1 * d for d in range(1, 25)])

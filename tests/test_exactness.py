@@ -56,6 +56,47 @@ def test_assistant_route_matches_greedy(tiny_model):
             assert out.tolist() == ref.tolist(), budget
 
 
+def _fed_lengths(model, run):
+    """Runs ``run()`` and returns the number of tokens each target pass was fed (the prefill first)."""
+    fed = []
+    hook = model.register_forward_pre_hook(lambda _, args, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        out = run()
+    finally:
+        hook.remove()
+    return out, fed
+
+
+def test_assistant_route_skips_drafts_that_do_not_pay(tiny_model):
+    # Under greedy the route may hand transformers an empty draft, and the pass is a plain step. Priced so that
+    # no draft pays, every pass after the prefill is fed one token; priced as usual, drafts are verified.
+    prompt = _prompts(tiny_model, count=1, seed=2)[0]
+    ref = _plain(tiny_model, prompt, max_new_tokens=30)
+    steep = LookupDrafter(use_cache=False)
+    steep.cost.use_profile([1.0] + [50.0] * steep.drafter_config.max_draft)
+    out, fed = _fed_lengths(tiny_model, lambda: _plain(tiny_model, prompt, max_new_tokens=30, assistant_model=steep))
+    assert out.tolist() == ref.tolist()
+    assert len(fed) == 30 and set(fed[1:]) == {1}, str(fed)
+    out, fed = _fed_lengths(tiny_model, lambda: _plain(tiny_model, prompt, max_new_tokens=30,
+                                                       assistant_model=LookupDrafter(use_cache=False)))
+    assert out.tolist() == ref.tolist()
+    assert max(fed[1:]) > 1, str(fed)
+
+
+def test_assistant_route_always_drafts_under_sampling(tiny_model):
+    # transformers' sampling rule cannot verify an empty draft, so there every pass carries one, even where the
+    # guard would skip it.
+    prompt = _prompts(tiny_model, count=1, seed=2)[0]
+    steep = LookupDrafter(use_cache=False)
+    steep.cost.use_profile([1.0] + [50.0] * steep.drafter_config.max_draft)
+    torch.manual_seed(0)
+    out, fed = _fed_lengths(tiny_model, lambda: tiny_model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=20, assistant_model=steep))
+    assert out.shape[1] - prompt.shape[1] == 20
+    # The last pass may be fed one token: with one token left, transformers asks for no draft at all.
+    assert min(fed[1:-1]) >= 2, str(fed)
+
+
 def test_eos_inside_drafts_stops_like_plain(tiny_model):
     prompt = _prompts(tiny_model, count=1, seed=3)[0]
     free = _plain(tiny_model, prompt, max_new_tokens=40)
