@@ -196,10 +196,10 @@ def summarize(records, systems):
             row[f"x_{s}"] = med["greedy"] / med[s]
             row[f"tpp_{s}"] = one[s]["new_tokens"] / max(one[s]["passes"], 1)
             row[f"same_{s}"] = all(r["identical"] for r in rec["runs"] if r["system"] == s)
+        row["vs_pld_hf"] = med["pld"] / med["lookupdec_hf"] if {"pld", "lookupdec_hf"} <= set(systems) else None
         if "lookupdec" in systems:
             row["vs_pld"] = med["pld"] / med["lookupdec"] if "pld" in systems else None
             row["vs_pld_tuned"] = med["pld_tuned"] / med["lookupdec"] if "pld_tuned" in systems else None
-            row["vs_pld_hf"] = med["pld"] / med["lookupdec_hf"] if {"pld", "lookupdec_hf"} <= set(systems) else None
             row["of_oracle"] = (med["oracle"] / med["lookupdec"]) if "oracle" in systems else None
             ld = [r for r in rec["runs"] if r["system"] == "lookupdec"]
             row["draft_share"] = statistics.median(r["draft_seconds"] / r["seconds"] for r in ld)
