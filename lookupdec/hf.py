@@ -211,6 +211,8 @@ def _assistant_generate(
         raise NotImplementedError("transformers' assisted generation supports batch size 1 only")
     if generation_config is not None and generation_config.assistant_ensemble_weight is not None:
         raise ValueError("lookup drafts carry no distribution: assistant_ensemble_weight is not supported")
+    if state.generation_config.assistant_confidence_threshold:  # transformers would read scores greedy never fills
+        raise ValueError("lookup drafts carry no confidence: keep assistant_confidence_threshold at 0")
     now = time.perf_counter()
     seq = input_ids[0].to("cpu", torch.int32).numpy()
     prev = state.sequence

@@ -97,6 +97,15 @@ def test_assistant_route_always_drafts_under_sampling(tiny_model):
     assert min(fed[1:-1]) >= 2, str(fed)
 
 
+def test_assistant_route_refuses_a_confidence_threshold(tiny_model):
+    # transformers' confidence threshold reads the draft's probabilities, which lookup drafts do not have.
+    prompt = _prompts(tiny_model, count=1)[0]
+    drafter = LookupDrafter()
+    drafter.generation_config.assistant_confidence_threshold = 0.4
+    with pytest.raises(ValueError, match="assistant_confidence_threshold"):
+        _plain(tiny_model, prompt, max_new_tokens=5, assistant_model=drafter)
+
+
 def test_eos_inside_drafts_stops_like_plain(tiny_model):
     prompt = _prompts(tiny_model, count=1, seed=3)[0]
     free = _plain(tiny_model, prompt, max_new_tokens=40)
