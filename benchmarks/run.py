@@ -283,6 +283,7 @@ def plots(rows, suite_rows, systems, out: Path):
         print("matplotlib not installed: no plots (pip install matplotlib)", file=sys.stderr)
         return
     shown = [s for s in systems if s not in ("greedy", "oracle")]
+    suite_rows = [r for r in suite_rows if r["suite"] in SUITES]  # the pooled yaml + code row would repeat prompts
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(shown)
     for i, s in enumerate(shown):
