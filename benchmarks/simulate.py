@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from run import encode, pick_prompts
-from workloads import SUITES
+from workloads import COPY_HEAVY, SUITES
 
 from lookupdec import DrafterConfig, LookupDrafter
 from lookupdec.costs import pass_costs
-from lookupdec.drafter import Offer, best_draft_length
+from lookupdec.drafter import Offer
 from lookupdec.models import load_model
 
 
@@ -395,13 +395,6 @@ def replay_offers(factory, prompt: list, answer: list, cost, choose) -> dict:
     return {"tokens": len(answer), "passes": passes, "time": spent}
 
 
-def lookupdec_length(session, offer) -> int:
-    """The length ``DraftSession.propose`` would draft for ``offer``."""
-    if offer.tokens.size == 0:
-        return 0
-    return best_draft_length(offer.first, offer.then, session._drafter.cost.costs(offer.tokens.size))
-
-
 def _best_length_replay(factory, prompt: list, answer: list, cost) -> dict:
     """The drafter chooses where to copy from (its occurrence, cursor and cache, as it does), and each pass drafts
     the length that turns out to give the most tokens per unit of cost in that pass (a per-pass choice, not the
@@ -420,7 +413,7 @@ def _first_known_replay(factory, prompt: list, answer: list, cost) -> dict:
     perfect skip-or-draft decision alone would win."""
 
     def choose(session, offer, right, done):
-        return lookupdec_length(session, Offer(offer.tokens, 1.0, offer.then)) if right else 0
+        return session.length(Offer(offer.tokens, 1.0, offer.then)) if right else 0
 
     return replay_offers(factory, prompt, answer, cost, choose)
 
@@ -460,9 +453,9 @@ def study_bounds(prompts, cost, eos, out: Path) -> str:
             print(f"{suite}/{p.name:28s} " + " ".join(f"{plain / t:.2f}" for t in times), file=sys.stderr)
     suites = list(dict.fromkeys(r["suite"] for r in rows))
     counts = {s: sum(r["suite"] == s for r in rows) for s in suites}
-    copy_heavy = [s for s in suites if s in ("yaml", "code")]
+    copy_heavy = [s for s in suites if s in COPY_HEAVY]
     groups = {**{f"{s} ({counts[s]})": [r for r in rows if r["suite"] == s] for s in suites},
-              **({"yaml + code": [r for r in rows if r["suite"] in copy_heavy]} if copy_heavy else {})}
+              **({" + ".join(COPY_HEAVY): [r for r in rows if r["suite"] in copy_heavy]} if copy_heavy else {})}
     head = " | ".join(groups)
     lines = [(f"Simulated (cost model: {_cost_text(cost)}), replaying cached greedy outputs of {len(rows)} prompts; "
               "medians over each group's prompts. In brackets: the median per-prompt share of the oracle's speedup."),

@@ -53,7 +53,6 @@ from simulate import (
     _cost_text,
     _LookupFactory,
     cpu_cost,
-    lookupdec_length,
     replay,
     replay_offers,
 )
@@ -230,7 +229,7 @@ def study_confidence(prompts, model, cost, eos) -> str:
                     tally[b][0] += 1
                     tally[b][1] += right > 0
                     tally[b][2] += offer.first
-                return lookupdec_length(session, offer)
+                return session.length(offer)
 
             replay_offers(factory, prompt, answer, cost, choose)
     lines = ["Index-match offers by the target's top probability at the token before the draft (teacher-forced).",
@@ -287,7 +286,7 @@ def study_predictor(prompts, cost, eos) -> str:
         def choose(session, offer, right, done, suite=suite):
             if offer.tokens.size:
                 samples.append((suite, first_token_features(session, offer), float(right > 0)))
-            return lookupdec_length(session, offer)
+            return session.length(offer)
 
         for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
             replay_offers(factory, prompt, answer, cost, choose)
@@ -380,7 +379,7 @@ def study_survival(prompts, cost, eos) -> str:
 
         for _, prompt, answer in (x for x in prompts if x[0].suite == suite):
             plain = len(answer) * cost(0)
-            base = replay_offers(ours, prompt, answer, cost, lambda s, o, r, d: lookupdec_length(s, o))["time"]
+            base = replay_offers(ours, prompt, answer, cost, lambda s, o, r, d: s.length(o))["time"]
             rows.append({"suite": suite, "lookupdec": plain / base,
                          "survival": plain / replay_offers(theirs, prompt, answer, cost, choose)["time"]})
     order = list(dict.fromkeys(r["suite"] for r in rows))

@@ -72,6 +72,12 @@ class DrafterConfig:
     # online straight-line fit, for ablations and for callers that must not spend the few seconds it takes.
     calibrate: bool = True
 
+    def margin(self, must_draft: bool = False) -> float:
+        """By how much a draft's expected gain must beat a plain step for the adaptive length to draft: the
+        never-slower guard's 2%, or below every gain (the best length >= 1 always wins) without the guard or for
+        a caller that must draft."""
+        return 0.02 if self.guard and not must_draft else -1.0
+
     def __post_init__(self):
         for name in ("use_cache", "adaptive", "cursor", "guard", "calibrate"):
             value = getattr(self, name)
@@ -417,14 +423,16 @@ class DraftSession:
         """Up to ``limit`` draft tokens (int32, possibly empty) to verify next. ``must_draft``: the caller cannot
         verify an empty draft (transformers' sampling rule), so when there is a candidate the best length of at
         least one token is drafted even where a plain step would pay better; empty still means no candidate."""
+        return self.take(self.length(self.offer(limit), must_draft=must_draft))
+
+    def length(self, offer: Offer, *, must_draft: bool = False) -> int:
+        """How many tokens of ``offer`` :meth:`propose` drafts: all of them without the adaptive length, else the
+        length with the most expected tokens per unit of cost (0 where the guard finds none that pays)."""
         cfg = self._drafter.drafter_config
-        offer = self.offer(limit)
         if not cfg.adaptive or offer.tokens.size == 0:
-            return self.take(offer.tokens.size)
+            return offer.tokens.size
         costs = self._drafter.cost.costs(offer.tokens.size)
-        # Without the guard, the best length >= 1 wins even where it loses to a plain step (every gain is > 0).
-        margin = 0.02 if cfg.guard and not must_draft else -1.0
-        return self.take(best_draft_length(offer.first, offer.then, costs, margin=margin))
+        return best_draft_length(offer.first, offer.then, costs, margin=cfg.margin(must_draft))
 
     def offer(self, limit: int) -> Offer:
         """The longest draft on offer (up to ``limit`` tokens) with its odds, for a caller that chooses the length

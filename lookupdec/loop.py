@@ -387,8 +387,8 @@ def _generate_batch(model, input_ids, attention_mask, max_new_tokens, drafter, o
         cost = drafter.batch_cost(len(active))
         if drafter.drafter_config.adaptive:
             # One length for the batch: the pass is as wide as the longest draft, so every row may fill it.
-            margin = 0.02 if drafter.drafter_config.guard else -1.0
-            length = best_batch_length(offers, cost.costs(max(o.tokens.size for o in offers)), margin=margin)
+            length = best_batch_length(offers, cost.costs(max(o.tokens.size for o in offers)),
+                                       margin=drafter.drafter_config.margin())
         else:
             length = max(offer.tokens.size for offer in offers)
         drafts = [row.session.take(length) for row in active]
