@@ -1,6 +1,6 @@
 """Batched lookup decoding against plain batched greedy ``model.generate``: throughput by batch size.
 
-Run through ``python benchmarks/run.py --batch 1 2 4 8``. The same copy-heavy prompts are used at every batch
+Run through ``python -m benchmarks.run --batch 1 2 4 8``. The same copy-heavy prompts are used at every batch
 size (8 prompts: one batch of 8, two of 4, four of 2, eight of 1), left-padded like any batched ``generate`` call;
 a batch larger than the number of copy-heavy prompts repeats them.
 Each batch runs plain greedy and ``lookupdec.generate`` in turn (order rotated per repetition), and every row of

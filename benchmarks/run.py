@@ -21,11 +21,11 @@ token-identical to greedy. It writes ``results.json`` (raw), ``results.md`` (tab
 
 Examples::
 
-    python benchmarks/run.py --quick                 # a few prompts per suite, 128 new tokens, ~10 min on 2 cores
-    python benchmarks/run.py                         # the full run documented in the README
-    python benchmarks/run.py --suites yaml code --reps 3 --out /tmp/bench
-    python benchmarks/run.py --sample --quick        # T=0.7, fixed seed, speed only
-    python benchmarks/run.py --model /path/to/model.gguf
+    python -m benchmarks.run --quick                 # a few prompts per suite, 128 new tokens, ~10 min on 2 cores
+    python -m benchmarks.run                         # the full run documented in the README
+    python -m benchmarks.run --suites yaml code --reps 3 --out /tmp/bench
+    python -m benchmarks.run --sample --quick        # T=0.7, fixed seed, speed only
+    python -m benchmarks.run --model /path/to/model.gguf
 """
 
 from __future__ import annotations
@@ -43,39 +43,42 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from workloads import COPY_HEAVY, SUITES
-
 import lookupdec
-from lookupdec import DrafterConfig, LookupDrafter
-from lookupdec.costs import calibrate_or_warn, pass_costs
+from benchmarks.workloads import COPY_HEAVY, SUITES
+from lookupdec import Drafter, DrafterConfig, LookupDrafter
+from lookupdec.calibration import calibrate_or_warn, pass_costs
 from lookupdec.models import load_model
+from lookupdec.policy import Offer
 
 SYSTEMS = ("greedy", "pld", "pld_tuned", "lookupdec", "lookupdec_hf", "oracle")
 
 
-class OracleDrafter:
-    """Drafts the known greedy continuation: every draft is right, so only the verification cost remains."""
+class OracleDrafter(Drafter):
+    """Drafts the known greedy continuation: every draft is right, so only the verification cost remains. It runs
+    on lookupdec's own driver: no adaptive length (it drafts all it may), no cache, no calibration."""
 
     def __init__(self, answer: list, max_draft: int):
+        super().__init__(DrafterConfig(max_draft=max_draft, adaptive=False, use_cache=False, calibrate=False))
         self.answer = answer
-        self.max_draft = max_draft
 
     def start(self, prompt, eos_ids=()):
-        return _OracleSession(self.answer, self.max_draft)
+        return _OracleSession(self.answer, self.drafter_config.max_draft)
 
 
 class _OracleSession:
     def __init__(self, answer, max_draft):
         self.answer, self.max_draft, self.done = answer, max_draft, 0
+        self.offered = np.zeros(0, dtype=np.int32)
 
-    def propose(self, limit):
+    def offer(self, limit):
         k = min(limit, self.max_draft)
-        return np.asarray(self.answer[self.done + 0: self.done + k], dtype=np.int32)
+        self.offered = np.asarray(self.answer[self.done: self.done + k], dtype=np.int32)
+        return Offer(self.offered, 1.0, 1.0)
 
-    def commit(self, tokens, accepted, seconds=None):
+    def take(self, length):
+        return self.offered[:length]
+
+    def commit(self, tokens, seconds=None):
         self.done += len(tokens)
 
     def finish(self):
@@ -398,7 +401,7 @@ def main(argv=None):
         f"torch {torch.__version__}", "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "mode": "sampling T=0.7" if args.sample else "greedy", "max_new_tokens": args.max_new_tokens,
         "reps": args.reps, "pld_tuned": list(pld), "seconds": round(time.perf_counter() - started, 1),
-        "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
         "drafter": args.drafter,
         # The pass cost the lookupdec drafters were calibrated with (measured once per model and thread count).
         "pass_costs": ([round(float(c), 3)
@@ -426,7 +429,7 @@ def _config_field(item: str) -> tuple:
 
 
 def batch_mode(model, tokenizer, args):
-    import batch
+    from benchmarks import batch
 
     suites = [s for s in args.suites if s in COPY_HEAVY] or list(COPY_HEAVY)
     # Alternate the suites so every batch mixes YAML and code edits.
@@ -439,7 +442,7 @@ def batch_mode(model, tokenizer, args):
         f"torch {torch.__version__}", "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "max_new_tokens": args.max_new_tokens, "reps": args.reps, "prompts": max(args.batch),
         "seconds": round(time.perf_counter() - started, 1),
-        "command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]),
     }
     batch.write(data, meta, args.out)
     print(f"total {meta['seconds']}s; results in {args.out}", file=sys.stderr)

@@ -14,10 +14,11 @@ __version__ = "0.1.0"
 # Attributes resolve lazily so `import lookupdec` (and the CLI's --help) does not pay for torch and numba.
 _EXPORTS = {
     "generate": ("loop", "generate"),
-    "calibrate": ("costs", "calibrate"),
-    "GenerationStats": ("loop", "GenerationStats"),
-    "LookupOutput": ("loop", "LookupOutput"),
-    "LookupDrafter": ("drafter", "LookupDrafter"),
+    "calibrate": ("calibration", "calibrate"),
+    "GenerationStats": ("stats", "GenerationStats"),
+    "LookupOutput": ("stats", "LookupOutput"),
+    "LookupDrafter": ("assistant", "LookupDrafter"),
+    "Drafter": ("drafter", "Drafter"),
     "DrafterConfig": ("drafter", "DrafterConfig"),
     "RollingCache": ("cache", "RollingCache"),
     "NgramIndex": ("index", "NgramIndex"),

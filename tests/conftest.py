@@ -39,13 +39,13 @@ def _tiny(kind: str, vocab_size: int = 96, seed: int = 0, peak: float = 1.0):
 def private_cost_cache(tmp_path_factory):
     """Pass costs measured during the tests go to a folder of this session, not the user's cache: a test's draft
     lengths then come from this run's own measurements, never from files an earlier run left behind."""
-    from lookupdec import costs
+    from lookupdec import calibration
 
     folder = tmp_path_factory.mktemp("lookupdec-cache")
-    original = costs.cache_dir
-    costs.cache_dir = lambda: folder
+    original = calibration.cache_dir
+    calibration.cache_dir = lambda: folder
     yield folder
-    costs.cache_dir = original
+    calibration.cache_dir = original
 
 
 @pytest.fixture(scope="session", params=["llama", "gpt2"])

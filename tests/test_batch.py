@@ -13,7 +13,7 @@ from test_sampling import ALPHA, STEPS, _pad, _plain_samples, _two_sample_p, pea
 
 import lookupdec
 from lookupdec import LookupDrafter
-from lookupdec import loop as loop_module
+from lookupdec import batch as batch_module
 
 
 def _left_pad(prompts, pad):
@@ -89,7 +89,7 @@ def test_rows_finish_at_different_times(tiny_factory):
 
 def test_compaction_keeps_rows_exact(tiny_model, monkeypatch):
     # Compact after every step (no slack): holes are squeezed out all the time, and outputs stay exact.
-    monkeypatch.setattr(loop_module, "_COMPACT_SLACK", -10**6)
+    monkeypatch.setattr(batch_module, "_COMPACT_SLACK", -10**6)
     slots = []
 
     def hook(module, args, kwargs, output):
@@ -153,12 +153,14 @@ def test_bad_batches_are_refused(tiny_model):
     with pytest.raises(ValueError, match="trace"):
         lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=4, trace=[None])
 
-    class SingleRowDrafter:  # start/propose/commit/finish only: enough for one row, not for a batch
+    class DuckDrafter:  # not a lookupdec Drafter: the loops drive drafters through Drafter.propose
         def start(self, prompt, eos_ids=()):
             raise AssertionError("not reached")
 
-    with pytest.raises(TypeError, match="batches need a LookupDrafter"):
-        lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=4, drafter=SingleRowDrafter())
+    for rows in (ids, ids[:1]):  # a batch, and one row
+        with pytest.raises(TypeError, match="drafter must be a LookupDrafter"):
+            lookupdec.generate(tiny_model, rows, attention_mask=mask[: len(rows)], max_new_tokens=4,
+                               drafter=DuckDrafter())
 
 
 def test_sliding_window_models_are_refused():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lookupdec import DrafterConfig, LookupDrafter, RollingCache
-from lookupdec.drafter import Offer, PassCost, best_batch_length, best_draft_length, linear_costs
+from lookupdec.policy import Offer, PassCost, best_batch_length, best_draft_length, linear_costs
 
 
 def _session(prompt, **config):
@@ -79,7 +79,7 @@ def test_cursor_keeps_copying_from_the_same_occurrence():
     source = [5, 1, 2, 3, 4, 20, 21, 9, 1, 2, 3, 4, 30, 31]
     _, session = _session(source + [5])
     assert session.propose(3).tolist() == [1, 2, 3]
-    session.commit([1, 2, 3, 4], accepted=3)  # all accepted, the target added 4
+    session.commit([1, 2, 3, 4])  # all accepted, the target added 4
     assert session.index.match()[1] == 12  # the index alone: the second occurrence
     assert session.propose(3).tolist() == [20, 21, 9]  # Not [30, 31]
 
@@ -89,7 +89,7 @@ def test_without_the_cursor_every_draft_searches_the_index_again():
     source = [5, 1, 2, 3, 4, 20, 21, 9, 1, 2, 3, 4, 30, 31]
     _, session = _session(source + [5], cursor=False)
     assert session.propose(3).tolist() == [1, 2, 3]
-    session.commit([1, 2, 3, 4], accepted=3)
+    session.commit([1, 2, 3, 4])
     assert session.propose(3).tolist() == [30, 31, 5]  # Not [20, 21, 9]: no cursor to follow
 
 
@@ -97,7 +97,7 @@ def test_output_of_a_finished_request_helps_the_next_one_through_the_cache():
     cache = RollingCache(max_tokens=1000)
     drafter = LookupDrafter(adaptive=False, cache=cache)
     first = drafter.start(np.array([1, 2, 3]))
-    first.commit([50, 51, 52, 53, 54, 55], accepted=0)
+    first.commit([50, 51, 52, 53, 54, 55])
     first.finish()
     assert len(cache) > 0
     second = drafter.start(np.array([7, 8, 50, 51]))  # the new prompt ends like the old output began
@@ -120,7 +120,7 @@ def test_adaptive_drafter_stops_drafting_where_drafts_fail():
         draft = session.propose(16)
         lengths.append(len(draft))
         truth = rng.integers(100, 200, size=len(draft) + 1)  # never what was drafted
-        session.commit(truth[:1], accepted=0, seconds=1.0 if len(draft) == 0 else 1.6)
+        session.commit(truth[:1], seconds=1.0 if len(draft) == 0 else 1.6)
     assert sum(lengths[-20:]) == 0, lengths
 
 
@@ -137,7 +137,7 @@ def test_without_the_guard_the_drafter_keeps_drafting_where_drafts_fail():
             draft = session.propose(16)
             lengths[guard].append(len(draft))
             wrong = (draft[0] + 1) % 4 if len(draft) else rng.integers(0, 4)  # never the drafted token
-            session.commit([wrong], accepted=0, seconds=1.0 if len(draft) == 0 else 1.6)
+            session.commit([wrong], seconds=1.0 if len(draft) == 0 else 1.6)
     assert lengths[True][-20:].count(0) >= 5, lengths[True]  # the guard skips drafts that do not pay
     assert min(lengths[False]) >= 1 and max(lengths[False][-20:]) < 16, lengths[False]
 
@@ -154,10 +154,10 @@ def test_a_caller_that_must_draft_gets_the_length_that_pays_best_in_a_pass_it_pa
     for _ in range(40):  # every draft fails at its first token: copies stop paying
         draft = session.propose(16)
         skipped += draft.size == 0
-        session.commit([(draft[0] + 1) % 4 if draft.size else rng.integers(0, 4)], accepted=0)
+        session.commit([(draft[0] + 1) % 4 if draft.size else rng.integers(0, 4)])
     assert skipped  # the guard: a plain step pays better
     while session.propose(16).size:
-        session.commit([rng.integers(0, 4)], accepted=0)
+        session.commit([rng.integers(0, 4)])
     assert session.propose(16, must_draft=True).size == 3
     assert LookupDrafter(use_cache=False).start([1, 2, 3]).propose(8, must_draft=True).size == 0  # no candidate
 
@@ -172,7 +172,7 @@ def test_adaptive_drafter_drafts_long_on_a_faithful_copy():
         lengths.append(len(draft))
         truth = source[pos: pos + len(draft) + 1]
         accepted = len(draft) if np.array_equal(draft, truth[: len(draft)]) else 0
-        session.commit(truth[: accepted + 1], accepted=accepted, seconds=1.0 + 0.6 * bool(len(draft)))
+        session.commit(truth[: accepted + 1], seconds=1.0 + 0.6 * bool(len(draft)))
         pos += accepted + 1
     assert max(lengths[-5:]) >= 16, lengths
 
@@ -270,7 +270,7 @@ def test_offer_then_take_is_propose_with_a_chosen_length():
     assert offer.tokens.tolist() == [4, 5, 6, 7, 8, 1, 2, 3, 4, 5]  # the copy reaches the present: it repeats
     assert 0 < offer.first < 1 and 0 < offer.then < 1
     assert session.take(3).tolist() == [4, 5, 6]
-    session.commit([4, 5, 6, 7], accepted=3)  # all 3 accepted: the cursor follows the copy
+    session.commit([4, 5, 6, 7])  # all 3 accepted: the cursor follows the copy
     assert session.offer(2).tokens.tolist() == [8, 1]
     assert session.take(0).size == 0
 

@@ -10,12 +10,8 @@ import pytest
 import torch
 
 import lookupdec
-from lookupdec.drafter import (
-    DrafterConfig,
-    LookupDrafter,
-    best_draft_length,
-    linear_costs,
-)
+from lookupdec import DrafterConfig, LookupDrafter
+from lookupdec.policy import best_draft_length, linear_costs
 from lookupdec.trace import (
     TraceRecorder,
     TraceStep,

@@ -24,9 +24,7 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import platform
-import tempfile
 import threading
 import time
 import weakref
@@ -34,9 +32,9 @@ import weakref
 import numpy as np
 import torch
 
-from .drafter import DrafterConfig, LookupDrafter
-from .hf import forward_params, rollback_cache, target_forward
-from .models import cache_dir
+from ._fs import atomic_write, cache_dir
+from ._transformers import forward_params, rollback_cache, target_forward
+from .drafter import Drafter, DrafterConfig
 
 _log = logging.getLogger(__name__)
 
@@ -51,7 +49,7 @@ _memo_lock = threading.Lock()  # guards _memo and _key_locks only, never held wh
 _key_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {local key: Lock}
 
 
-def calibrate(drafter: LookupDrafter, model, *, refresh: bool = False, on_measure=None) -> np.ndarray:
+def calibrate(drafter: Drafter, model, *, refresh: bool = False, on_measure=None) -> np.ndarray:
     """Give ``drafter`` the measured pass-cost profile of ``model`` (measured now, or read from the cache) and
     return it: ``profile[d]`` is the time of a pass with ``d`` drafted tokens relative to a plain step.
     ``on_measure()`` is called before a measurement (not when the profile is known), e.g. to say why it waits.
@@ -62,13 +60,13 @@ def calibrate(drafter: LookupDrafter, model, *, refresh: bool = False, on_measur
     return profile
 
 
-def calibrate_or_warn(drafter: LookupDrafter, model, on_measure=None) -> None:
+def calibrate_or_warn(drafter: Drafter, model, on_measure=None) -> None:
     """What :func:`lookupdec.generate` and the CLI run before decoding: calibrate ``drafter`` to ``model`` unless
     its config says not to (``calibrate=False``, or ``adaptive=False``: it does not choose lengths) or the caller
     set a profile of its own. A calibration that fails only costs the measured curve: a warning, and the drafter
     keeps its straight-line fit."""
-    config = getattr(drafter, "drafter_config", None)
-    if not (getattr(config, "calibrate", False) and getattr(config, "adaptive", False)):
+    config = drafter.drafter_config
+    if not (config.calibrate and config.adaptive):
         return
     if drafter.cost.profile is not None and drafter.cost.profile_source is None:
         return  # set by hand with use_profile(): the caller knows better
@@ -224,18 +222,10 @@ def _read(path, max_draft: int) -> np.ndarray | None:
 
 
 def _write(path, profile: np.ndarray) -> None:
-    """Atomically (temporary file in the same folder, then ``os.replace``); a cache that cannot be written only
-    means measuring again next time."""
+    """Through the one atomic write; a cache that cannot be written only means measuring again next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".costs-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": PROFILE_VERSION, "profile": profile.tolist()}, f)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache folder may be shared
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with atomic_write(path) as f:
+            json.dump({"version": PROFILE_VERSION, "profile": profile.tolist()}, f)
     except OSError as err:
         _log.warning("could not cache the pass-cost profile in %s: %s", path.parent, err)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import lookupdec
-from lookupdec import costs as cal
-from lookupdec.drafter import DrafterConfig, LookupDrafter
+from lookupdec import LookupDrafter
+from lookupdec import calibration as cal
+from lookupdec.drafter import DrafterConfig
 
 
 @pytest.fixture

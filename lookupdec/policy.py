@@ -1,0 +1,257 @@
+"""The drafting policy: how likely a draft is to be accepted, what verifying it costs, and which length pays best.
+
+Pure numpy, no torch: the drafter (``drafter.py``) and the research replays (``research/``) price drafts with the
+same functions, and none of it needs a model.
+
+- :class:`Acceptance` keeps running estimates, per source bucket (:func:`bucket`), of the chance that a draft's
+  first token is accepted (``first``) and that each later one is, given the ones before it were (``then``).
+- :class:`PassCost` says what a pass with ``d`` drafted tokens costs relative to a plain step: a measured profile
+  (``lookupdec.calibrate``) or a running straight-line fit.
+- :func:`best_draft_length` (one row) and :func:`best_batch_length` (one length for a batch of rows) pick the
+  length with the most expected tokens per unit of time, or 0 when none beats a plain step by a margin: the
+  never-slower guard.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Prior chance that the next drafted token is accepted, per source bucket. Index buckets are by how many tokens
+# the match really shares with the current suffix (capped at 32): a long shared context is an aligned copy.
+_PRIORS = {  # bucket -> (first, then)
+    ("cursor", 1): (0.6, 0.85), ("cursor", 2): (0.65, 0.85), ("cursor", 3): (0.7, 0.9), ("cursor", 4): (0.75, 0.9),
+    ("cursor", 8): (0.85, 0.92), ("cursor", 16): (0.92, 0.95),
+    ("index", 1): (0.25, 0.7), ("index", 2): (0.35, 0.75), ("index", 3): (0.45, 0.8), ("index", 4): (0.55, 0.85),
+    ("index", 8): (0.7, 0.9), ("index", 16): (0.8, 0.92),
+    ("cache", 1): (0.2, 0.7), ("cache", 2): (0.3, 0.75), ("cache", 3): (0.4, 0.8), ("cache", 4): (0.5, 0.85),
+}
+_PRIOR_WEIGHT = 6.0  # pseudo-observations behind each prior
+_FORGET = 0.97  # per update: recent behaviour counts more (a request moves between copying and writing)
+_RECOVER = 0.85  # per skipped draft: a silent bucket drifts back to its prior, which is how copying is re-probed
+_CALIBRATION_KEEP = 0.9  # the shared calibration follows the last ~10 drafts
+
+
+def bucket(kind: str, shared: int) -> tuple:
+    for edge in (16, 8, 4, 3, 2):
+        if shared >= edge:
+            return (kind, edge)
+    return (kind, 1)
+
+
+class Acceptance:
+    """Running estimates, per source bucket, of how drafts from that bucket fare.
+
+    Copies are bursty: a draft is either wrong at its first token (the copy was from the wrong place) or right for a
+    long stretch (until an edit point). One per-token rate cannot say both, so two are kept:
+    ``first``, the chance the first drafted token is accepted, and ``then``, the chance each later one is, given
+    the ones before it were. A draft that got ``j >= 1`` tokens accepted adds ``j - 1`` continuations, plus a stop
+    if it was cut short; ``then = continuations / (continuations + stops)`` is the maximum-likelihood estimate of a
+    geometric run with censoring.
+
+    Buckets that have seen few drafts lean on their priors, which suit copy-heavy text. A calibration shared by all
+    buckets, (first tokens accepted + 2) / (first tokens predicted + 2) over recent drafts, scales ``first`` so
+    that text where copies keep failing (open-ended writing) stops drafting after a few misses, whichever bucket
+    the next match falls in.
+    """
+
+    def __init__(self):
+        self._counts = {}  # bucket -> [first tries, first accepted, continuations, stops], excluding the prior
+        self._calibration = [0.0, 0.0]  # first tokens accepted, first tokens predicted (both forgotten)
+        self._lock = threading.Lock()
+
+    def _raw(self, bucket) -> tuple:
+        prior_first, prior_then = _PRIORS[bucket]
+        tries, firsts, cont, stops = self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0))
+        first = (firsts + prior_first * _PRIOR_WEIGHT) / (tries + _PRIOR_WEIGHT)
+        then = (cont + prior_then * _PRIOR_WEIGHT) / (cont + stops + _PRIOR_WEIGHT)
+        return first, then
+
+    def estimate(self, bucket) -> tuple:
+        """``(first, then)`` for drafts from ``bucket``."""
+        first, then = self._raw(bucket)
+        seen, predicted = self._calibration
+        return min(first * (seen + 2.0) / (predicted + 2.0), 0.999), then
+
+    def update(self, bucket, accepted: int, drafted: int) -> None:
+        if drafted == 0:
+            return
+        with self._lock:
+            seen, predicted = self._calibration
+            self._calibration = [seen * _CALIBRATION_KEEP + bool(accepted),
+                                 predicted * _CALIBRATION_KEEP + self._raw(bucket)[0]]
+            tries, firsts, cont, stops = (c * _FORGET for c in self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0)))
+            if accepted:
+                firsts += 1.0
+                cont += accepted - 1
+                stops += float(accepted < drafted)
+            self._counts[bucket] = [tries + 1.0, firsts, cont, stops]
+
+    def skipped(self, bucket) -> None:
+        with self._lock:
+            if bucket in self._counts:
+                self._counts[bucket] = [c * _RECOVER for c in self._counts[bucket]]
+
+
+class PassCost:
+    """A step's wall time against draft length ``d``, relative to a plain step: :meth:`costs`.
+
+    With a measured profile (:meth:`use_profile`, from ``lookupdec.calibrate``) that is the profile: the cost of
+    every draft length, as measured on this model, device and thread count. The curve need not be straight or
+    even rise: on this project's CPU, one torch thread, SmolLM2-135M, a pass with 2 drafted tokens costs 2.0
+    plain steps and one with 3 costs 1.5 (MKL runs products of 2 or 3 rows as that many matrix-vector products).
+
+    Without one, a straight line: a plain step runs matrix-vector products, while any draft turns them into
+    matrix-matrix products, which cost about 1.6 plain steps at once and then ~5% of a step per drafted token
+    (32 tokens: ~3.2 steps). So ``time(0) = t0`` and ``time(d) = t1 + slope * d`` for ``d >= 1``, fitted by
+    exponentially forgotten least squares on the steps actually run (:meth:`relative`); until enough steps of a
+    kind have been seen, that CPU shape stands in. Batches use the straight line (``LookupDrafter.batch_cost``).
+    """
+
+    PRIOR_JUMP = 0.55  # time(1) / time(0) - 1 - PRIOR_SLOPE
+    PRIOR_SLOPE = 0.05  # per drafted token, relative to time(0)
+    _KEEP = 0.95  # forgetting per observation: machines are shared, and load drifts
+
+    def __init__(self, prior_jump: float = PRIOR_JUMP, prior_slope: float = PRIOR_SLOPE):
+        self.prior_jump, self.prior_slope = prior_jump, prior_slope
+        self._plain = np.zeros(2)  # weight, sum t over d == 0
+        self._draft = np.zeros(5)  # weight, sum d, sum t, sum d*d, sum d*t over d >= 1
+        self._profile = None  # measured relative cost per draft length, when calibrated
+        self._source = None  # weak reference to the model lookupdec.calibrate measured the profile on
+        self._lock = threading.Lock()
+
+    def observe(self, draft_len: int, seconds: float) -> None:
+        d, t = float(draft_len), float(seconds)
+        with self._lock:
+            if draft_len == 0:
+                self._plain *= self._KEEP
+                self._plain += (1.0, t)
+            else:
+                self._draft *= self._KEEP
+                self._draft += (1.0, d, t, d * d, d * t)
+
+    def costs(self, available: int) -> np.ndarray:
+        """Relative time of a pass with ``d`` drafted tokens, ``d = 0 .. available`` (``costs[0] == 1``): the
+        measured profile when one is set (:meth:`use_profile`), else the straight-line fit of :meth:`relative`."""
+        profile = self._profile
+        if profile is None:
+            return linear_costs(*self.relative(), available)
+        if available < profile.size:
+            return profile[: available + 1].copy()
+        # Past the measured lengths: the slope of the profile's last quarter, which is where it is straight.
+        last = profile.size - 1
+        ref = max(1, last - max(1, last // 4))
+        slope = max((profile[last] - profile[ref]) / (last - ref), 0.0) if last > ref else 0.0
+        return np.concatenate([profile, profile[last] + slope * np.arange(1, available - last + 1)])
+
+    def use_profile(self, profile, source=None) -> None:
+        """Price drafts with ``profile[d]``, the measured time of a pass with ``d`` drafted tokens relative to a
+        plain step; ``None`` goes back to the online straight-line fit. Beyond the profile's last length the cost
+        grows by the slope of its last quarter. ``source`` is the model ``lookupdec.calibrate`` measured it on
+        (``None``: set by hand, and then ``lookupdec.generate`` leaves it alone)."""
+        if profile is None:
+            self._profile, self._source = None, None
+            return
+        profile = np.asarray(profile, dtype=np.float64)
+        if profile.ndim != 1 or profile.size < 2 or not np.all(np.isfinite(profile)) or profile.min() <= 0:
+            raise ValueError(f"a pass-cost profile is a 1-D array of >= 2 positive costs, got {profile!r}")
+        self._profile = profile / profile[0]
+        self._source = weakref.ref(source) if source is not None else None
+
+    @property
+    def profile(self) -> np.ndarray | None:
+        return None if self._profile is None else self._profile.copy()
+
+    @property
+    def profile_source(self):
+        """The model the profile was measured on by ``lookupdec.calibrate``, or ``None`` (no profile, one set by
+        hand, or a model that no longer exists)."""
+        return self._source() if self._source is not None else None
+
+    def relative(self) -> tuple:
+        """``(jump, slope)`` with ``time(d) / time(0) = 1 + jump + slope * d`` for ``d >= 1``."""
+        w0, s0 = self._plain
+        w, sd, st, sdd, sdt = self._draft
+        if w < 2:
+            return self.prior_jump, self.prior_slope
+        mean_d, mean_t = sd / w, st / w
+        var = sdd / w - mean_d**2
+        t0 = s0 / w0 if w0 >= 2 else None
+        if var >= 4.0 and w >= 4:
+            slope = (sdt / w - mean_d * mean_t) / var
+        elif t0 is not None:
+            slope = self.prior_slope * t0
+        else:
+            slope = mean_t * self.prior_slope / (1 + self.prior_jump + self.prior_slope * (1 + mean_d))
+        slope = max(slope, 0.0)
+        t1 = mean_t - slope * mean_d
+        if t0 is None:
+            t0 = t1 / (1 + self.prior_jump + self.prior_slope)
+        if t0 <= 0:
+            return self.prior_jump, self.prior_slope
+        return max(t1 / t0 - 1.0, 0.0), slope / t0
+
+
+def linear_costs(jump: float, slope: float, available: int) -> np.ndarray:
+    """Relative pass times ``1`` for ``d == 0`` and ``1 + jump + slope * d`` for ``d = 1 .. available``."""
+    costs = 1.0 + jump + slope * np.arange(available + 1, dtype=np.float64)
+    costs[0] = 1.0
+    return costs
+
+
+def cost_curve(costs) -> np.ndarray:
+    costs = np.asarray(costs, dtype=np.float64)
+    if costs.ndim != 1 or costs.size < 1:
+        raise ValueError(f"costs must list the relative pass cost of draft lengths 0, 1, ..., got {costs!r}")
+    return costs
+
+
+def best_draft_length(first: float, then: float, costs: Sequence[float], *, margin: float = 0.02) -> int:
+    """The draft length with the most expected tokens per unit of time, or 0 if none beats a plain step by
+    ``margin``. ``costs[d]`` is the relative time of a pass with ``d`` drafted tokens (``costs[0] == 1``; its
+    length bounds the draft). Expected tokens for ``d`` drafted: ``1 + first * (1 + then + ... + then^(d-1))``
+    (the 1 is the target's own token). Measured costs need not grow with ``d`` (on this project's CPU a pass of 3
+    drafted tokens is cheaper than one of 2), so every length is weighed."""
+    costs = cost_curve(costs)
+    available = costs.size - 1
+    if available < 1:
+        return 0
+    tokens = 1.0 + first * np.cumsum(then ** np.arange(available, dtype=np.float64))
+    gains = tokens / costs[1:]
+    best = int(np.argmax(gains))  # the shortest of equal bests
+    return best + 1 if gains[best] > 1.0 + margin else 0
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a session could draft next: the longest candidate and the odds of its tokens being accepted."""
+
+    tokens: np.ndarray  # int32, possibly empty
+    first: float  # chance the first token is accepted
+    then: float  # chance each later token is, given the ones before it were
+
+
+def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], *, margin: float = 0.02) -> int:
+    """One draft length for a batch: each row drafts up to it (a batch pass is as wide as its longest draft, so
+    shorter drafts would save nothing), and a pass with ``d`` drafted positions costs ``costs[d]`` batched plain
+    steps (``costs[0] == 1``). Returns the length with the most expected tokens per unit of time, or 0 if none
+    beats a plain step by ``margin``."""
+    rows = len(offers)
+    costs = cost_curve(costs)
+    longest = min(max((o.tokens.size for o in offers), default=0), costs.size - 1)
+    best_d, best_gain = 0, 1.0 + margin
+    expected = float(rows)  # the target's own token of every row
+    reach = [o.first for o in offers]  # chance that row's draft is accepted up to the current position
+    for d in range(1, longest + 1):
+        for i, o in enumerate(offers):
+            if o.tokens.size >= d:
+                expected += reach[i]
+                reach[i] *= o.then
+        gain = expected / (rows * costs[d])
+        if gain > best_gain:
+            best_d, best_gain = d, gain
+    return best_d
