@@ -232,28 +232,39 @@ def test_runs_under_inference_mode(tiny_model):
 
 
 def test_cache_never_holds_rejected_positions(tiny_model):
-    # Each pass must see exactly the committed tokens in the KV cache: prompt + new - 1 before the step.
+    # Before every pass after the prefill, the KV cache holds exactly the committed tokens but the last one (which
+    # the pass feeds again, followed by its draft): rejected draft positions were cropped away.
     prompt = _prompts(tiny_model, count=1, seed=29)[0]
-    lengths = []
+    passes = []  # (cache length after the pass, tokens fed)
 
     def hook(module, args, kwargs, output):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        lengths.append((cache.get_seq_length(), kwargs["input_ids"].shape[1]))
+        passes.append((cache.get_seq_length(), kwargs["input_ids"].shape[1]))
 
+    class Steps:  # the trace protocol: one step per pass, the prefill first
+        def start(self, prompt):
+            self.steps = []
+
+        def step(self, draft, accepted, token, kept, seconds):
+            self.steps.append((len(draft), kept))
+
+    steps = Steps()
     handle = tiny_model.register_forward_hook(hook, with_kwargs=True)
     try:
-        out = lookupdec.generate(tiny_model, prompt, max_new_tokens=40, drafter=LookupDrafter(adaptive=False))
+        out = lookupdec.generate(tiny_model, prompt, max_new_tokens=40, drafter=LookupDrafter(adaptive=False),
+                                 trace=steps)
     finally:
         handle.remove()
-    # After each forward the cache holds what it held before plus the tokens fed; the next forward must start
-    # from exactly the committed length minus one (the last token is fed again).
+    assert out.stats.drafted_tokens > out.stats.accepted_tokens  # some drafts were rejected, so crops happened
+    assert len(passes) == len(steps.steps) == out.stats.target_passes
     committed = prompt.shape[1]
-    for (after, fed), (next_after, next_fed) in zip(lengths, lengths[1:]):
-        before_next = next_after - next_fed
-        assert before_next <= after
-        assert before_next >= committed - 1
-        committed = before_next + 1
-    assert out.stats.target_passes == len(lengths)
+    for i, ((after, fed), (drafted, kept)) in enumerate(zip(passes, steps.steps)):
+        if i == 0:
+            assert (after - fed, fed) == (0, prompt.shape[1])  # the prefill
+        else:
+            assert (after - fed, fed) == (committed - 1, drafted + 1)
+        committed += kept
+    assert committed == out.sequences.shape[1]
 
 
 def test_bad_arguments(tiny_model):

@@ -1,0 +1,97 @@
+"""The package's layout, as docs/design.md describes it: imports flow one way (kernels <- index/cache <- policy <-
+drafter <- loop/batch <- assistant / reformat / cli), and the drafting core needs neither torch nor transformers."""
+
+import ast
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lookupdec"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict:
+    """module -> the lookupdec modules it imports (at any depth of its code, lazy imports included)."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                names = [f"{target}.{alias.name}" for alias in node.names]
+                deps.update(n for n in names if n in modules)
+                deps.add(target)
+            elif isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+        graph[name] = {d for d in deps if d in modules and d not in (name, "lookupdec")}
+    return graph
+
+
+def test_imports_have_no_cycle():
+    graph = _imports()
+    assert {"lookupdec.drafter", "lookupdec.loop", "lookupdec.cli"} <= set(graph)  # the walk found the package
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            assert state.get(dep) != "open", "import cycle: " + " -> ".join(path + [dep])
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+@pytest.mark.parametrize("low, high", [
+    ("lookupdec.drafter", "lookupdec.assistant"), ("lookupdec.drafter", "lookupdec.verify"),
+    ("lookupdec.policy", "lookupdec.drafter"), ("lookupdec.loop", "lookupdec.reformat.engine"),
+])
+def test_lower_layers_do_not_import_higher_ones(low, high):
+    graph = _imports()
+    assert {low, high} <= set(graph)
+    reach, todo = set(), [low]
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in reach:
+                reach.add(dep)
+                todo.append(dep)
+    assert high not in reach
+
+
+def test_the_drafting_core_imports_neither_torch_nor_transformers():
+    code = ("import sys, lookupdec.drafter, lookupdec.policy, lookupdec.cache, lookupdec.index; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_untested_transformers_versions_fail_clearly(monkeypatch):
+    from lookupdec import _transformers
+
+    for fine in ("5.24.0", "5.30.1", "5.99.0.dev0"):
+        _transformers._check_version(fine)
+    monkeypatch.delenv("LOOKUPDEC_ALLOW_UNTESTED_TRANSFORMERS", raising=False)
+    for untested in ("6.0.0", "5.17.0", "4.57.1"):
+        with pytest.raises(ImportError, match=rf"needs transformers >=5.24,<6 .*found {untested}"):
+            _transformers._check_version(untested)
+    monkeypatch.setenv("LOOKUPDEC_ALLOW_UNTESTED_TRANSFORMERS", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _transformers._check_version("6.0.0")
+    assert any("continuing" in str(w.message) for w in caught)
