@@ -10,7 +10,9 @@ Three kinds of test:
 - **Stub engine** (`stub` fixture): only where the test is about file handling or error paths (bad input,
   rejected output, sections and budgets, atomic writes, Ctrl-C). The stub answers by echoing the section (or
   by a function the test gives), so these tests pin the command's behaviour without depending on the model.
-- **Pure helpers**: splitting, prompts, fenced-block extraction, validation messages.
+
+The library helpers behind the command (splitting, prompts, fenced-block extraction, validation messages, the
+engine's pieces, writing) are tested on their own in test_reformat.py.
 
 Every test runs in its own temporary folder with relative file names, so messages can be compared exactly.
 """
@@ -18,7 +20,6 @@ Every test runs in its own temporary folder with relative file names, so message
 from __future__ import annotations
 
 import html
-import io
 import json
 import os
 import re
@@ -33,7 +34,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from lookupdec import cli
+from lookupdec import _fs, cli
+from lookupdec.reformat import run as reformat_run
+from lookupdec.reformat import validate
+from lookupdec.reformat.engine import Completion
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
@@ -56,7 +60,7 @@ def run(*args):
 
 
 def leftovers(folder: Path) -> list:
-    """Temporary files write_atomic might have left behind."""
+    """Temporary files lookupdec._fs.atomic_write might have left behind."""
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
 
 
@@ -103,14 +107,14 @@ class StubEngine:
             streamer.put(_Tokens(10))  # the prompt, skipped
             for line in body.splitlines():
                 streamer.put(_Tokens(len(line.split()) or 1))
-        return cli.Completion(answer, tuple(range(len(body.split()))), len(body.splitlines()), 0.0)
+        return Completion(answer, tuple(range(len(body.split()))), len(body.splitlines()), 0.0)
 
 
 @pytest.fixture
 def stub(monkeypatch):
     """Install a StubEngine (returned) as the command's model; `stub.answer = ...` changes its answers."""
     engine = StubEngine()
-    monkeypatch.setattr(cli, "_open_engine", lambda name, progress: engine)
+    monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress: engine)
     return engine
 
 
@@ -224,12 +228,12 @@ def test_comments_only(here, stub):
 
 
 def test_file_over_the_byte_limit(here, stub):
-    (here / "huge.yaml").write_text("k: v\n" * (cli.MAX_FILE_BYTES // 5 + 1))
+    (here / "huge.yaml").write_text("k: v\n" * (validate.MAX_FILE_BYTES // 5 + 1))
     size = (here / "huge.yaml").stat().st_size
     result = run("reformat", "huge.yaml")
     assert (result.exit_code, result.stderr) == (
         2, f"error: huge.yaml: file too large ({size:,} bytes; the limit is "
-           f"{cli.MAX_FILE_BYTES:,})\n")
+           f"{validate.MAX_FILE_BYTES:,})\n")
     assert stub.sections == []
 
 
@@ -484,7 +488,7 @@ def test_interrupted_write_leaves_file_and_no_temp(here, stub, monkeypatch):
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr(cli.os, "replace", replace)
+    monkeypatch.setattr(_fs.os, "replace", replace)
     stub.answer = lambda section, prompt: section.replace("8080", "9090")
     result = run("reformat", "service.yaml", "-i", "change the port", "--in-place")
     assert (result.exit_code, result.stderr.splitlines()[-1]) == (130, "interrupted; nothing was written")
@@ -514,6 +518,7 @@ def test_real_sigint_during_generation(here):
     driver = textwrap.dedent("""
         import sys, time
         from lookupdec import cli
+        from lookupdec.reformat import run
 
         class Slow:
             context = 2048
@@ -525,7 +530,7 @@ def test_real_sigint_during_generation(here):
                 print("generating", file=sys.stderr, flush=True)
                 time.sleep(60)
 
-        cli._open_engine = lambda name, progress: Slow()
+        run.open_engine = lambda name, progress: Slow()
         cli.main(["reformat", "service.yaml", "--in-place"])
     """)
     proc = subprocess.Popen([sys.executable, "-c", driver], cwd=here, stdout=subprocess.PIPE,
@@ -542,7 +547,7 @@ def test_to_json_without_instruction_needs_no_model(here, monkeypatch):
     def no_model(name, progress):
         raise AssertionError("a plain conversion must not load the model")
 
-    monkeypatch.setattr(cli, "_open_engine", no_model)
+    monkeypatch.setattr(reformat_run, "open_engine", no_model)
     result = run("reformat", "service.yaml", "--to", "json")
     assert result.exit_code == 0
     assert json.loads(result.stdout) == yaml.safe_load(SERVICE)
@@ -567,146 +572,12 @@ def test_quiet_prints_only_the_result(here, stub):
     assert (result.exit_code, result.stdout, result.stderr) == (0, SERVICE.replace("8080", "9090"), "")
 
 
-def test_progress_bar_on_a_terminal(monkeypatch):
-    # On a terminal the bar shows tokens, tokens per pass and tokens/s; elsewhere (pipes, CI logs) it stays off.
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    screen = Terminal()
-    monkeypatch.setattr(sys, "stderr", screen)
-    progress = cli.TokenProgress(total=40, enabled=True)
-    for n in (10, 3, 7, 5):  # the prompt (skipped), then three passes
-        progress.put(_Tokens(n))
-    progress._bar.refresh()  # tqdm redraws at most every 0.1 s on its own
-    progress.close()
-    assert (progress.tokens, progress.passes) == (15, 3)
-    assert "15/40" in screen.getvalue() and "5.00 tok/pass" in screen.getvalue() and "tok/s" in screen.getvalue()
-    monkeypatch.setattr(sys, "stderr", io.StringIO())
-    assert cli.TokenProgress(total=40, enabled=True)._bar.disable
-
-
 def test_summary_counts_tokens_and_passes(here, stub):
     result = run("reformat", "service.yaml", "-i", "change the port")
     # The stub's answer for the whole file: 36 words on 17 lines, one pass per line.
     assert summary(result.stderr)[:3] == (36, 17, 2.12)
     assert result.stderr.endswith("note: the data is unchanged (right for an edit of formatting or comments; "
                                   "otherwise the model did not apply the instruction)\n")
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Pure helpers
-
-
-def test_split_sections_join_back_exactly():
-    text = ("# head\n\nversion: 2\n\n# about a\na:\n  b: 1\n\n  c:\n    - x\n    - y\n# tail\n---\nz: [1,\n  2]\n"
-            "...\n")
-    for limit in (1, 3, 1000):
-        sections = cli.split_sections(text, lambda t, limit=limit: len(t.split()) > limit)
-        assert cli.join_sections(sections, [None] * len(sections)) == text
-
-
-def test_split_sections_attach_comments_to_the_next_block():
-    text = "# top\na: 1\n\n# about b\nb:\n  c: 2\n# trailing\n"
-    sections = cli.split_sections(text, lambda t: True)
-    assert [(s.text, s.edit) for s in sections] == [
-        ("# top\na: 1\n", True), ("\n", False), ("# about b\nb:\n", False), ("c: 2\n", True),
-        ("# trailing\n", False)]
-
-
-def test_split_sections_keep_a_compact_list_with_its_key():
-    # `- x` at column 0 belongs to `items:`, not to a new block.
-    text = "items:\n- x\n- y\nother: 1\n"
-    sections = cli.split_sections(text, lambda t: len(t.split()) > 5, joinable=lambda t: False)
-    assert [s.text for s in sections if s.edit] == ["items:\n- x\n- y\n", "other: 1\n"]
-    # ... and when the block is too big, its items are cut at column 0 with no indent to put back.
-    sections = cli.split_sections(text, lambda t: len(t.split()) > 3, joinable=lambda t: False)
-    assert [(s.text, s.indent, s.edit) for s in sections] == [
-        ("items:\n", "", False), ("- x\n", "", True), ("- y\n", "", True), ("other: 1\n", "", True)]
-
-
-def test_split_sections_leave_unsafe_cuts_alone():
-    # A flow collection over several lines at column 0 cannot be cut into blocks: the document stays whole.
-    text = "a: [1,\n2]\nb: 3\n"
-    assert [s.text for s in cli.split_sections(text, lambda t: True)] == [text]
-    # An alias needs its anchor in the same section.
-    text = "base: &b\n  x: 1\nuse: *b\n"
-    assert [s.text for s in cli.split_sections(text, lambda t: True)] == [text]
-
-
-def test_build_prompt_reformat_prefills_the_first_line():
-    prompt = cli.build_prompt("server:\n  port: 8080\n", None)
-    assert prompt.prefill == "```yaml\nserver:"  # no newline: the tokenizer joins it with the next indent
-    assert prompt.messages[0] == {"role": "system", "content": cli.SYSTEM_EDITOR}
-    assert prompt.messages[1]["content"].startswith("```yaml\nserver:\n  port: 8080\n```\n\nRewrite this YAML")
-
-
-def test_build_prompt_instruction_puts_text_first_and_keeps_default_system_prompt():
-    prompt = cli.build_prompt("a: 1\n", "set a to 2")
-    assert prompt.messages == ({"role": "user", "content": "```yaml\na: 1\n```\n\nset a to 2. Keep everything "
-                                "else, including comments, exactly as it is. Reply with the complete updated file "
-                                "in one ```yaml block and nothing else."},)
-    assert prompt.prefill == "```yaml\n"
-
-
-@pytest.mark.parametrize("answer, expected", [
-    ("```yaml\na: 1\n```\nmore text", ("a: 1\n", True)),
-    ("Sure!\n```\na: 1\n  ```\n```yaml\nb: 2\n```", ("a: 1\n", True)),  # the first block wins
-    ("```yaml\na: 1\nb: 2", ("a: 1\nb: 2", False)),  # never closed: cut off
-    ("a: 1\n", ("a: 1\n", True)),  # no fence at all: the whole answer
-])
-def test_extract_block(answer, expected):
-    assert cli.extract_block(answer) == expected
-
-
-def test_check_section_messages():
-    assert cli.check_section("a: 1\n", "a:   1\n", None) is None
-    assert cli.check_section("a: 1\n", "a: 2\n", None) == (
-        "the model's output changes the data\n  first change: a: 1 -> 2")
-    assert cli.check_section("a: 1\n", "a: 2\n", "set a to 2") is None
-    assert cli.check_section("a: 1\nb: 2\n", "a: 1\nb: [\n", "x") == (
-        "the model's output is not valid YAML (line 3, column 1: expected the node content, but found "
-        "'<stream end>')\n  first differing line: line 2: 'b: 2' became 'b: ['")
-
-
-def test_check_section_rejects_dropped_and_invented_comments():
-    # Comments are not data, so a reformat checks them apart: every one kept, none made up.
-    assert cli.check_section("# keep\na: 1  # why\n", "# keep\na: 1 # why\n", None) is None
-    assert cli.check_section("# keep\na: 1\n", "a: 1\n", None) == "the model's output drops a comment: '# keep'"
-    assert cli.check_section("a: 1\n", "# A nested YAML file.\na: 1\n", None) == (
-        "the model's output adds a comment: '# A nested YAML file.'")
-
-
-def test_comments_ignore_hashes_in_values():
-    text = "# top\nurl: http://x/#frag\nmsg: \"a # b\"  # real\nq: it's # d\n"
-    assert cli.comments(text) == ["top", "real", "d"]
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("apiVersion: v1\nkind: Service\n", True),
-    ("# about\nversion: 2\n", True),
-    ("metadata:\n  name: web\n", False),
-    ("- a\n", False),
-])
-def test_flat(text, expected):
-    assert cli.flat(text) is expected
-
-
-def test_data_changes():
-    before = {"server": {"port": 8080, "tags": ["a", "b"]}, "gone": 1}
-    after = {"server": {"port": 9090, "tags": ["a"]}, "new": {"x": 1}}
-    assert cli.data_changes(before, after) == [
-        "server.port: 8080 -> 9090", "removed server.tags[1]", "removed gone", 'added new: {"x": 1}']
-
-
-def test_write_atomic_failure_leaves_no_temp(tmp_path, monkeypatch):
-    target = tmp_path / "f.yaml"
-    target.write_text("old\n")
-    monkeypatch.setattr(cli.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left")))
-    with pytest.raises(OSError):
-        cli.write_atomic(target, "new\n", backup=True)
-    assert target.read_text() == "old\n"
-    assert leftovers(tmp_path) == []
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -875,26 +746,6 @@ def test_one_rejected_file_of_several_exits_1_and_the_others_are_written(here, s
     assert (here / "service.yaml.bak").exists()
 
 
-def test_fence_stop_ignores_the_opening_fence_and_stops_at_the_closing_one():
-    class Tok:
-        def decode(self, ids):
-            return "".join(chr(i) for i in ids)
-
-    import torch
-
-    def ids(text):
-        return torch.tensor([[ord(c) for c in text]])
-
-    stop = cli._FenceStop(Tok())
-    assert not bool(stop(ids("x\n```y"))[0])  # the last 4 characters: "```y", an opening fence
-    assert not bool(stop(ids("a: 1\n"))[0])
-    assert bool(stop(ids("a: 1\n```"))[0])
-    assert not bool(stop(ids("1\n```\n"))[0])  # completed by an earlier token: it fired there
-    assert not bool(stop(ids('cmd: "```"'))[0])  # backticks in the prefilled first line do not stop the answer
-    two = torch.cat([ids("```yaml"), ids("abc\n```")])
-    assert stop(two).tolist() == [False, True]
-
-
 @pytest.mark.slow
 def test_model_batches_give_the_same_files_as_one_section_at_a_time(here, real):
     # The CI workflow has 14 sections (some retried in parts): batching them changes speed, not results.
@@ -911,22 +762,6 @@ def test_model_batches_give_the_same_files_as_one_section_at_a_time(here, real):
         assert yaml.safe_load((here / "four" / name).read_text()) == yaml.safe_load((CONFIGS / name).read_text())
     assert summary(second.stderr)[3:] == summary(first.stderr)[3:]  # same sections, same kept
     assert summary(second.stderr)[1] < summary(first.stderr)[1]  # fewer target passes: rows share them
-
-
-@pytest.mark.slow
-def test_engine_batch_answers_equal_single_answers(real):
-    model, tokenizer = real
-    engine = cli.ModelEngine(model, tokenizer)
-    sections = ["server:\n  host: 0.0.0.0\n  port: 8080\n", "logging:\n  level: info\n  format: json\n",
-                "features:\n  - search\n  - export\n  - audit\n"]
-    prompts = [cli.build_prompt(s, None) for s in sections]
-    budgets = [40, 6, 60]  # the 6-token row stops on its budget while the others go on
-    many = engine.complete_many(prompts, budgets)
-    for prompt, budget, got in zip(prompts, budgets, many):
-        alone = engine.complete(prompt, budget)
-        assert got.token_ids == alone.token_ids
-        assert got.answer == alone.answer
-    assert len(many[1].token_ids) == 6
 
 
 class BatchingStub(StubEngine):
@@ -958,7 +793,7 @@ def test_batched_sections_keep_file_order_and_retries(here, monkeypatch):
     for batch in ("1", "4"):
         engine = BatchingStub(answer)
         seen.clear()
-        monkeypatch.setattr(cli, "_open_engine", lambda name, progress, engine=engine: engine)
+        monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress, engine=engine: engine)
         folder = here / f"out{batch}"
         folder.mkdir()
         result = run("reformat", "service.yaml", "dependabot.yml", "-o", folder.name, "--batch", batch)
