@@ -8,17 +8,22 @@ step and ``1.55 + 0.05 * d`` for ``d`` drafted tokens; ``--measure-cost`` charge
 measures on this machine, at every draft length, and calibrates the drafters with it as ``lookupdec.generate``
 does).
 
+Every replayed drafter is a :class:`lookupdec.drafter.Drafter` stepped through lookupdec's own propose/commit
+driver (``drafter.propose([session], [limit])``, ``session.commit(tokens)``, ``drafter.observe``), as
+``lookupdec.generate`` steps it: prompt lookup and the oracle are drafters without the adaptive length, and the
+hindsight studies are drafters that choose lengths knowing the output.
+
 It is a tuning tool: the wall-clock truth is ``benchmarks/run.py``. Where both were run, they agree on the ranking.
 
 Examples::
 
-    python benchmarks/simulate.py --quick
-    python benchmarks/simulate.py --suites yaml code --per-suite 0
-    python benchmarks/simulate.py --measure-cost
-    python benchmarks/simulate.py --ablate --ablate-out /tmp/ablate/ablation.md
-    python benchmarks/simulate.py --ablate --measure-cost --ablate-out /tmp/ablate/ablation.md
-    python benchmarks/simulate.py --trees --trees-out /tmp/ablate/trees.md
-    python benchmarks/simulate.py --bounds --measure-cost
+    python -m research.simulate --quick
+    python -m research.simulate --suites yaml code --per-suite 0
+    python -m research.simulate --measure-cost
+    python -m research.simulate --ablate --ablate-out /tmp/ablate/ablation.md
+    python -m research.simulate --ablate --measure-cost --ablate-out /tmp/ablate/ablation.md
+    python -m research.simulate --trees --trees-out /tmp/ablate/trees.md
+    python -m research.simulate --bounds --measure-cost
 """
 
 from __future__ import annotations
@@ -32,16 +37,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from run import encode, pick_prompts
-from workloads import COPY_HEAVY, SUITES
-
-from lookupdec import DrafterConfig, LookupDrafter
-from lookupdec.costs import pass_costs
-from lookupdec.drafter import Offer
+from benchmarks.run import OracleDrafter, encode, pick_prompts
+from benchmarks.workloads import COPY_HEAVY, SUITES
+from lookupdec.calibration import pass_costs
+from lookupdec.drafter import EMPTY, Drafter, DrafterConfig
 from lookupdec.models import load_model
+from lookupdec.policy import Offer
 
 
 def cpu_cost(d: int) -> float:
@@ -58,9 +59,10 @@ class MeasuredCost:
         return float(self.profile[min(d, self.profile.size - 1)])
 
 
-def replay(session_factory, prompt: list, answer: list, cost, eos: int, branches: int = 1,
+def replay(drafter: Drafter, prompt: list, answer: list, cost, eos: int, branches: int = 1,
            branch_len: int = 256, free_branches: bool = False) -> dict:
-    """Step a drafter through ``answer``; returns passes, relative time, tokens and tree statistics.
+    """Step ``drafter`` through ``answer`` on lookupdec's driver, as ``lookupdec.generate`` would with a target
+    whose greedy output is ``answer``; returns passes, relative time, tokens and tree statistics.
 
     ``branches > 1`` studies token trees (lookup drafters only): besides the drafter's own draft, up to
     ``branches - 1`` continuations of other earlier occurrences of the suffix (``_alternatives``), each at most
@@ -68,13 +70,13 @@ def replay(session_factory, prompt: list, answer: list, cost, eos: int, branches
     prefix of the truth along any path and costs ``cost(tree nodes)`` (``free_branches``: only the drafter's own
     draft is charged, an upper bound on what such trees could win).
     """
-    session = session_factory(prompt)
+    session = drafter.start(prompt, eos_ids=[eos])
     passes, spent = 1, cost(0)  # the prefill pass yields the first token
-    session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
+    session.commit(np.asarray(answer[:1], dtype=np.int32))
     done = 1
     tree = {"drafts": 0, "with_alternative": 0, "alternative_won": 0}
     while done < len(answer):
-        draft = [int(t) for t in session.propose(len(answer) - done - 1)]
+        draft = [int(t) for t in drafter.propose([session], [len(answer) - done - 1])[0]]
         truth = answer[done:]
         paths, srcs = [draft], [-1]
         if branches > 1 and draft:
@@ -96,17 +98,14 @@ def replay(session_factory, prompt: list, answer: list, cost, eos: int, branches
             tree["drafts"] += 1
             tree["with_alternative"] += len(paths) > 1
             tree["alternative_won"] += best > 0
-        if hasattr(session, "observe"):
-            session.observe(charged, step)
-        # The drafter learns how its own draft fared; a winning alternative becomes the copy the cursor follows
-        # (the study reaches into the session for that: DraftSession has no tree API).
-        session.commit(np.asarray(committed, dtype=np.int32), accepted[0], None)
-        if best > 0 and session._drafter.drafter_config.cursor:
-            t = srcs[best] + len(committed)
-            if t < len(session.index) and session.index.tokens[srcs[best]: t].tolist() == committed:
-                session._cursor = t
-    if hasattr(session, "finish"):
-        session.finish()  # the output joins the rolling cache, as lookupdec.generate does
+        drafter.observe(1, charged, step)
+        # The drafter learns how its own draft fared (commit infers it from the committed tokens); a winning
+        # alternative becomes the copy the alignment cursor follows (only lookup sessions take ``source``).
+        if best > 0:
+            session.commit(np.asarray(committed, dtype=np.int32), source=srcs[best])
+        else:
+            session.commit(np.asarray(committed, dtype=np.int32))
+    session.finish()  # the output joins the rolling cache, as lookupdec.generate does
     return {"tokens": len(answer), "passes": passes, "time": spent, **tree}
 
 
@@ -142,12 +141,11 @@ def _alternatives(index, length: int, eos: int):
 
 
 class _LookupFactory:
-    """Sessions of a LookupDrafter: a fresh drafter per request, or (``shared``) one drafter for every request
-    until ``reset()``, so later requests can copy from earlier outputs through the rolling cache."""
+    """lookupdec's drafters for a run of requests: a fresh drafter per request, or (``shared``) one drafter for
+    every request until ``reset()``, so later requests can copy from earlier outputs through the rolling cache."""
 
-    def __init__(self, cost, eos, shared=False, drafter_class=LookupDrafter, **config):
-        self.cost, self.eos, self.shared, self.config = cost, eos, shared, config
-        self.drafter_class = drafter_class  # a LookupDrafter subclass (benchmarks/variants.py), called with config
+    def __init__(self, cost, shared=False, **config):
+        self.shared, self.config = shared, config
         self.drafter = None
         # The drafter is calibrated (as lookupdec.generate does) when the simulation charges a measured profile.
         self.profile = getattr(cost, "profile", None) if config.get("calibrate", True) else None
@@ -155,28 +153,40 @@ class _LookupFactory:
     def reset(self):
         self.drafter = None
 
-    def __call__(self, prompt):
+    def __call__(self) -> Drafter:
         if self.drafter is None or not self.shared:
-            self.drafter = self.drafter_class(**self.config)
+            self.drafter = Drafter(**self.config)
             if self.profile is not None:
                 self.drafter.cost.use_profile(self.profile)
-        drafter = self.drafter
-        session = drafter.start(prompt, eos_ids=[self.eos])
-        session.observe = lambda d, t: drafter.cost.observe(d, t)
-        return session
+        return self.drafter
+
+
+class _PromptLookupDrafter(Drafter):
+    """transformers' PromptLookupCandidateGenerator, re-expressed as a drafter: ``num_tokens``-token drafts
+    (``max_draft``) copied after the first (leftmost) earlier occurrence with a continuation of the last ``n``
+    tokens, n from ``max_ngram`` (``max_n``) down to 1, cut at EOS. No adaptive length, cache or calibration."""
+
+    def __init__(self, num_tokens=10, max_ngram=2):
+        super().__init__(DrafterConfig(max_draft=num_tokens, max_n=max_ngram, adaptive=False, use_cache=False,
+                                       calibrate=False))
+
+    def start(self, prompt, eos_ids=()):
+        return _PromptLookupSession(prompt, self.drafter_config, eos_ids)
 
 
 class _PromptLookupSession:
-    """transformers' PromptLookupCandidateGenerator, re-expressed over a list: n from max_ngram down to 1, the
-    first (leftmost) earlier occurrence with a continuation, ``num_tokens`` copied, cut at EOS."""
+    """One request of :class:`_PromptLookupDrafter` (the ``Session`` protocol), searching a plain token list."""
 
-    def __init__(self, prompt, num_tokens=10, max_ngram=2, eos=None):
-        self.tokens, self.k, self.max_ngram, self.eos = list(prompt), num_tokens, max_ngram, eos
+    def __init__(self, prompt, config: DrafterConfig, eos_ids=()):
+        self.tokens, self.k, self.max_ngram = list(prompt), config.max_draft, config.max_n
+        self.eos = frozenset(int(t) for t in eos_ids)
+        self.offered = EMPTY
 
-    def commit(self, tokens, accepted, seconds=None):
-        self.tokens += [int(t) for t in tokens]
+    def offer(self, limit: int) -> Offer:
+        self.offered = np.asarray(self._draft(limit), dtype=np.int32)
+        return Offer(self.offered, 1.0, 1.0)
 
-    def propose(self, limit):
+    def _draft(self, limit: int) -> list:
         toks = np.asarray(self.tokens)
         L = len(toks)
         for n in range(self.max_ngram, 0, -1):
@@ -187,24 +197,21 @@ class _PromptLookupSession:
             for idx in hits:
                 start, end = idx + n, min(idx + n + self.k, L)
                 if start < end:
-                    draft = list(toks[start:end][:max(limit, 0)])
-                    if self.eos in draft:
-                        draft = draft[: draft.index(self.eos) + 1]
+                    draft = [int(t) for t in toks[start:end][:max(limit, 0)]]
+                    for pos, token in enumerate(draft):
+                        if token in self.eos:
+                            return draft[: pos + 1]
                     return draft
         return []
 
+    def take(self, length: int) -> np.ndarray:
+        return self.offered[:max(length, 0)]
 
-class _OracleSession:
-    """Drafts the true output, as long as lookupdec may draft (``DrafterConfig.max_draft``): the ceiling."""
+    def commit(self, tokens, seconds=None):
+        self.tokens += [int(t) for t in tokens]
 
-    def __init__(self, answer, k=None):
-        self.answer, self.k, self.done = answer, DrafterConfig().max_draft if k is None else k, 0
-
-    def commit(self, tokens, accepted, seconds=None):
-        self.done += len(tokens)
-
-    def propose(self, limit):
-        return self.answer[self.done: self.done + min(limit, self.k)]
+    def finish(self):
+        pass
 
 
 # Ablation rows: each mechanism switched off in turn. One drafter serves a suite's prompts in order (as a server
@@ -230,9 +237,8 @@ ABLATIONS = {
 def ablate(prompts, cost, eos, out: Path) -> str:
     """Replay every ``ABLATIONS`` row, prompt lookup and the oracle over ``prompts`` [(Prompt, prompt ids,
     greedy output)]; returns (and writes to ``out``) Markdown tables of simulated speedup and tokens per pass."""
-    systems = {name: _LookupFactory(cost, eos, **config) for name, config in ABLATIONS.items()}
-    systems["prompt lookup (transformers re-expressed, 10 tokens, 2-grams)"] = \
-        lambda pr: _PromptLookupSession(pr, 10, 2, eos)
+    systems = {name: _LookupFactory(cost, **config) for name, config in ABLATIONS.items()}
+    systems["prompt lookup (transformers re-expressed, 10 tokens, 2-grams)"] = lambda: _PromptLookupDrafter(10, 2)
     rows = []
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
         for factory in systems.values():
@@ -241,8 +247,8 @@ def ablate(prompts, cost, eos, out: Path) -> str:
         for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
             plain = len(answer) * cost(0)
             row = {"suite": suite, "name": p.name}
-            for name, factory in [*systems.items(), ("oracle", lambda pr, a=answer: _OracleSession(a))]:
-                r = replay(factory, prompt, answer, cost, eos)
+            for name, factory in [*systems.items(), ("oracle", lambda a=answer: _oracle(a))]:
+                r = replay(factory(), prompt, answer, cost, eos)
                 row[name] = (plain / r["time"], r["tokens"] / r["passes"])
             rows.append(row)
             print(f"{suite}/{p.name:28s} " + " ".join(f"{row[n][0]:.2f}" for n in row if n not in ("suite", "name")),
@@ -293,12 +299,12 @@ def study_trees(prompts, cost, eos, out: Path) -> str:
     tables: how often alternatives exist and win, and the simulated speedups."""
     rows = []
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
-        factories = {name: _LookupFactory(cost, eos, **ABLATIONS["lookupdec (all on)"]) for name in TREES}
+        factories = {name: _LookupFactory(cost, **ABLATIONS["lookupdec (all on)"]) for name in TREES}
         for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
             plain = len(answer) * cost(0)
             row = {"suite": suite}
             for name, (branches, branch_len, free) in TREES.items():
-                row[name] = replay(factories[name], prompt, answer, cost, eos, branches, branch_len, free)
+                row[name] = replay(factories[name](), prompt, answer, cost, eos, branches, branch_len, free)
                 row[name]["x"] = plain / row[name]["time"]
             rows.append(row)
             print(f"{suite}/{p.name:28s} " + " ".join(f"{row[name]['x']:.2f}" for name in TREES), file=sys.stderr)
@@ -371,51 +377,56 @@ def _hindsight(lengths: np.ndarray, cost, max_draft: int) -> float:
     return cost(0) + best[1]
 
 
-def replay_offers(factory, prompt: list, answer: list, cost, choose) -> dict:
-    """Step a drafter through ``answer`` choosing each draft's length with ``choose(session, offer, right, done)``
-    (``right``: how many of the offered tokens are right, known in hindsight; ``done``: tokens produced so far) from
-    the session's :meth:`offer`. The drafter still chooses where to copy from. Returns passes, relative time and
-    tokens, as ``replay`` does."""
-    session = factory(prompt)
-    passes, spent = 1, cost(0)  # the prefill pass yields the first token
-    session.commit(np.asarray(answer[:1], dtype=np.int32), 0, None)
-    done = 1
-    while done < len(answer):
-        offer = session.offer(len(answer) - done - 1)
-        right = _common_prefix([int(t) for t in offer.tokens], answer[done:])
-        length = choose(session, offer, right, done)
-        session.take(length)
-        step = min(length, right)
-        passes += 1
-        spent += cost(length)
-        session.commit(np.asarray(answer[done: done + step + 1], dtype=np.int32), step, None)
-        session.observe(length, cost(length))
-        done += step + 1
-    session.finish()
-    return {"tokens": len(answer), "passes": passes, "time": spent}
+class _HindsightDrafter(Drafter):
+    """``inner`` drafting (its copy source, acceptance estimates, cost fit and cache) with each draft's length
+    chosen knowing the output ``answer``: ``choose(offer, right)``, where ``right`` is how many of the offered
+    tokens are right. One request per instance; ``inner`` may serve a run of requests."""
+
+    def __init__(self, inner: Drafter, answer: list, choose):
+        super().__init__(DrafterConfig(adaptive=False, use_cache=False, calibrate=False))
+        self.inner, self.answer, self.choose = inner, answer, choose
+        self.session, self.start_len = None, 0
+
+    def start(self, prompt, eos_ids=()):
+        self.session = self.inner.start(prompt, eos_ids)
+        self.start_len = len(self.session.index)  # the index then grows by exactly the committed output
+        return self.session
+
+    def length(self, offers, *, must_draft=False) -> int:
+        (offer,) = offers
+        done = len(self.session.index) - self.start_len
+        return self.choose(offer, _common_prefix(offer.tokens.tolist(), self.answer[done:]))
+
+    def observe(self, rows, drafted, seconds):
+        self.inner.observe(rows, drafted, seconds)
 
 
-def _best_length_replay(factory, prompt: list, answer: list, cost) -> dict:
-    """The drafter chooses where to copy from (its occurrence, cursor and cache, as it does), and each pass drafts
+def _best_length_replay(drafter: Drafter, prompt: list, answer: list, cost, eos: int) -> dict:
+    """``drafter`` chooses where to copy from (its occurrence, cursor and cache, as it does), and each pass drafts
     the length that turns out to give the most tokens per unit of cost in that pass (a per-pass choice, not the
     best schedule): the loss of our length policy and guard, measured apart from the loss of our choice of
     occurrence."""
 
-    def choose(session, offer, right, done):
+    def choose(offer, right):
         return max(range(offer.tokens.size + 1), key=lambda d: ((min(d, right) + 1) / cost(d), -d))
 
-    return replay_offers(factory, prompt, answer, cost, choose)
+    return replay(_HindsightDrafter(drafter, answer, choose), prompt, answer, cost, eos)
 
 
-def _first_known_replay(factory, prompt: list, answer: list, cost) -> dict:
-    """lookupdec, except that each pass knows whether the first token of its candidate is right: it skips the
-    draft when not, and otherwise chooses the length as lookupdec does with the first token certain. What a
-    perfect skip-or-draft decision alone would win."""
+def _first_known_replay(drafter: Drafter, prompt: list, answer: list, cost, eos: int) -> dict:
+    """``drafter`` (lookupdec), except that each pass knows whether the first token of its candidate is right: it
+    skips the draft when not, and otherwise chooses the length as lookupdec does with the first token certain.
+    What a perfect skip-or-draft decision alone would win."""
 
-    def choose(session, offer, right, done):
-        return session.length(Offer(offer.tokens, 1.0, offer.then)) if right else 0
+    def choose(offer, right):
+        return drafter.length([Offer(offer.tokens, 1.0, offer.then)]) if right else 0
 
-    return replay_offers(factory, prompt, answer, cost, choose)
+    return replay(_HindsightDrafter(drafter, answer, choose), prompt, answer, cost, eos)
+
+
+def _oracle(answer: list) -> Drafter:
+    """Drafts the true output, as long as lookupdec may draft (``DrafterConfig.max_draft``): the ceiling."""
+    return OracleDrafter(answer, DrafterConfig().max_draft)
 
 
 def study_bounds(prompts, cost, eos, out: Path) -> str:
@@ -433,20 +444,18 @@ def study_bounds(prompts, cost, eos, out: Path) -> str:
              "prompt lookup (transformers re-expressed, 10 tokens, 2-grams)"]
     rows = []
     for suite in dict.fromkeys(p.suite for p, _, _ in prompts):
-        ours = _LookupFactory(cost, eos, **ABLATIONS["lookupdec (all on)"])
-        hind = _LookupFactory(cost, eos, **ABLATIONS["lookupdec (all on)"])
-        first = _LookupFactory(cost, eos, **ABLATIONS["lookupdec (all on)"])
+        ours, hind, first = (_LookupFactory(cost, **ABLATIONS["lookupdec (all on)"]) for _ in range(3))
         prior = []
         for p, prompt, answer in (x for x in prompts if x[0].suite == suite):
             plain = len(answer) * cost(0)
             times = [
-                replay(lambda pr, a=answer: _OracleSession(a), prompt, answer, cost, eos)["time"],
+                replay(_oracle(answer), prompt, answer, cost, eos)["time"],
                 _hindsight(_copy_lengths(prior, prompt, answer, max_draft, False), cost, max_draft),
                 _hindsight(_copy_lengths(prior, prompt, answer, max_draft, True), cost, max_draft),
-                _best_length_replay(hind, prompt, answer, cost)["time"],
-                _first_known_replay(first, prompt, answer, cost)["time"],
-                replay(ours, prompt, answer, cost, eos)["time"],
-                replay(lambda pr: _PromptLookupSession(pr, 10, 2, eos), prompt, answer, cost, eos)["time"],
+                _best_length_replay(hind(), prompt, answer, cost, eos)["time"],
+                _first_known_replay(first(), prompt, answer, cost, eos)["time"],
+                replay(ours(), prompt, answer, cost, eos)["time"],
+                replay(_PromptLookupDrafter(10, 2), prompt, answer, cost, eos)["time"],
             ]
             rows.append({"suite": suite, **{name: plain / t for name, t in zip(names, times)}})
             prior += [-1, *prompt[-ours.drafter.cache.max_n:], *answer]  # what the rolling cache keeps
@@ -526,7 +535,8 @@ def main(argv=None):
     cost = cpu_cost
     if args.measure_cost:
         cost = MeasuredCost(pass_costs(model, 128))
-        print("measured relative pass cost (lookupdec.calibrate):", np.round(cost.profile[: DrafterConfig().max_draft + 1], 2).tolist())
+        print("measured relative pass cost (lookupdec.calibrate):",
+              np.round(cost.profile[: DrafterConfig().max_draft + 1], 2).tolist())
 
     cache_file = args.out / f"greedy_{(args.model or 'smollm2').replace('/', '_')}_{args.max_new_tokens}.json"
     cached = json.loads(cache_file.read_text()) if cache_file.exists() else {}
@@ -539,7 +549,8 @@ def main(argv=None):
             if key in cached:
                 prompts.append((p, encode(tokenizer, p.user)[0].tolist(), cached[key]))
             else:
-                print(f"skipping {key}: no cached greedy output (a plain run of simulate.py makes it)", file=sys.stderr)
+                print(f"skipping {key}: no cached greedy output (a plain run of research.simulate makes it)",
+                      file=sys.stderr)
         if args.ablate:
             print(ablate(prompts, cost, eos, args.ablate_out))
         if args.trees:
@@ -560,15 +571,15 @@ def main(argv=None):
         prompt, answer = ids[0].tolist(), cached[key]
         plain = len(answer) * cost(0)
         systems = {
-            "pld": lambda pr: _PromptLookupSession(pr, 10, 2, eos),
-            "pld_20_3": lambda pr: _PromptLookupSession(pr, 20, 3, eos),
-            "lookupdec": _LookupFactory(cost, eos),
-            "fixed32": _LookupFactory(cost, eos, adaptive=False, max_draft=32),
-            "oracle": lambda pr: _OracleSession(answer),
+            "pld": lambda: _PromptLookupDrafter(10, 2),
+            "pld_20_3": lambda: _PromptLookupDrafter(20, 3),
+            "lookupdec": _LookupFactory(cost),
+            "fixed32": _LookupFactory(cost, adaptive=False, max_draft=32),
+            "oracle": lambda: _oracle(answer),
         }
         row = {"suite": p.suite, "name": p.name, "tokens": len(answer)}
         for name, factory in systems.items():
-            r = replay(factory, prompt, answer, cost, eos)
+            r = replay(factory(), prompt, answer, cost, eos)
             row[name] = plain / r["time"]
             row[f"tpp_{name}"] = r["tokens"] / r["passes"]
         rows.append(row)

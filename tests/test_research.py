@@ -1,36 +1,14 @@
-"""The hindsight bounds of benchmarks/simulate.py (``--bounds``): the README's account of where the gap to the
-oracle comes from rests on them, so they are checked against brute force on small cases. Also the bookkeeping of
-benchmarks/variants.py's survival model, behind one of the README's "Tried and not built" entries, and
-the per-suite summary of benchmarks/run.py that the issue targets are read from."""
+"""The hindsight bounds of research/simulate.py (``--bounds``): the design notes' account of where the gap to the
+oracle comes from rests on them, so they are checked against brute force on small cases. Also the per-suite
+summary of benchmarks/run.py that the issue targets are read from."""
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load_benchmark(name: str):
-    """benchmarks/NAME.py as a module (the benchmarks import each other by name, so their folder is on the path
-    while it loads)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-@pytest.fixture(scope="module")
-def simulate():
-    return _load_benchmark("simulate")
+from benchmarks import run
+from research import simulate
 
 
 def _brute_lengths(prior, prompt, answer, limit, ngram):
@@ -66,7 +44,7 @@ def _brute_schedule(lengths, cost, max_draft):
     return rest(1)
 
 
-def test_copy_lengths_examples(simulate):
+def test_copy_lengths_examples():
     # The answer copies 1 2 3 from the prompt, then writes 9; an n-gram copy needs the token before to match too.
     assert simulate._copy_lengths([], [1, 2, 3, 4], [1, 2, 3, 9], 32, False).tolist() == [3, 2, 1, 0]
     assert simulate._copy_lengths([], [1, 2, 3, 4], [1, 2, 3, 9], 32, True).tolist() == [0, 2, 1, 0]
@@ -78,7 +56,7 @@ def test_copy_lengths_examples(simulate):
     assert simulate._copy_lengths([8, 9], [1], [8, 9], 32, False).tolist() == [2, 1]
 
 
-def test_copy_lengths_match_brute_force(simulate):
+def test_copy_lengths_match_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(40):
         prior, prompt, answer = (rng.integers(0, 4, rng.integers(0, 12)).tolist() for _ in range(3))
@@ -88,7 +66,7 @@ def test_copy_lengths_match_brute_force(simulate):
             assert got == _brute_lengths(prior, prompt, answer, 5, ngram)
 
 
-def test_hindsight_is_the_cheapest_schedule(simulate):
+def test_hindsight_is_the_cheapest_schedule():
     """The DP equals an exhaustive search over every sequence of passes, with a jagged cost curve where a longer
     draft can be the cheaper pass."""
     costs = [1.0, 1.6, 2.0, 1.5, 1.7]
@@ -113,7 +91,7 @@ def test_hindsight_is_the_cheapest_schedule(simulate):
     assert simulate._hindsight(np.array([2, 3, 2, 3, 1, 1, 0]), cost, 4) == pytest.approx(1.0 + 1.5 + 1.5)
 
 
-def test_bounds_hold_for_the_drafters_they_bound(simulate):
+def test_bounds_hold_for_the_drafters_they_bound():
     """On small repetitive texts, lookupdec's replay never beats the n-gram bound (every draft it makes copies from
     a place that shares the last token), nor do its per-pass-best-length and first-token-known replays, and any
     copy beats the n-gram bound."""
@@ -127,7 +105,7 @@ def test_bounds_hold_for_the_drafters_they_bound(simulate):
     max_draft = DrafterConfig().max_draft
     rng = np.random.default_rng(2)
     for _ in range(15):
-        factory, best_length, first_known = (simulate._LookupFactory(cost, 99, shared=True, calibrate=False)
+        factory, best_length, first_known = (simulate._LookupFactory(cost, shared=True, calibrate=False)
                                              for _ in range(3))
         prior = []
         for _ in range(3):  # three requests per drafter, so the rolling cache has earlier outputs to offer
@@ -136,9 +114,9 @@ def test_bounds_hold_for_the_drafters_they_bound(simulate):
             ngram = simulate._hindsight(simulate._copy_lengths(prior, prompt, answer, max_draft, True), cost, max_draft)
             anywhere = simulate._hindsight(simulate._copy_lengths(prior, prompt, answer, max_draft, False), cost,
                                            max_draft)
-            ours = simulate.replay(factory, prompt, answer, cost, 99)["time"]
-            per_pass = simulate._best_length_replay(best_length, prompt, answer, cost)["time"]
-            knowing_first = simulate._first_known_replay(first_known, prompt, answer, cost)["time"]
+            ours = simulate.replay(factory(), prompt, answer, cost, 99)["time"]
+            per_pass = simulate._best_length_replay(best_length(), prompt, answer, cost, 99)["time"]
+            knowing_first = simulate._first_known_replay(first_known(), prompt, answer, cost, 99)["time"]
             assert anywhere <= ngram + 1e-9
             assert ngram <= per_pass + 1e-9
             assert ngram <= ours + 1e-9
@@ -146,48 +124,9 @@ def test_bounds_hold_for_the_drafters_they_bound(simulate):
             prior += [-1, *prompt[-factory.drafter.cache.max_n:], *answer]
 
 
-@pytest.fixture(scope="module")
-def variants():
-    return _load_benchmark("variants")
-
-
-def test_survival_model_counts_positions_at_risk_and_breaks(variants):
-    from types import SimpleNamespace
-
-    from lookupdec.drafter import Offer, PassCost, best_draft_length
-
-    model, bucket, keep = variants._Survival(), ("index", 2), variants._SURVIVAL_KEEP
-    bins = len(variants._SURVIVAL_EDGES) - 1
-
-    def at(*positions):  # counts per bin of the given draft positions
-        return np.bincount(model._bins(np.array(positions)), minlength=bins)
-
-    assert model._bins(np.array([1, 2, 3, 4, 5, 6, 8, 9, 64, 200])).tolist() == [0, 1, 2, 3, 3, 4, 4, 5, 10, 10]
-    model.update(bucket, 3, 5)  # tokens 1-3 right, 4 wrong: positions 2-4 were at risk, 4 broke
-    risk, broke = model.counts[bucket]
-    assert risk.tolist() == at(2, 3, 4).tolist() and broke.tolist() == at(4).tolist()
-    model.update(bucket, 5, 5)  # all right: positions 2-5 at risk, nothing broke; the old counts are forgotten
-    risk, broke = model.counts[bucket]
-    assert risk == pytest.approx(keep * at(2, 3, 4) + at(2, 3, 4, 5)) and broke == pytest.approx(keep * at(4))
-    before = [c.copy() for c in model.counts[bucket]]
-    model.update(bucket, 0, 5)  # wrong at the first token: that is the drafter's first-token estimate, not ours
-    model.update(bucket, 0, 0)  # nothing drafted
-    assert all((a == b).all() for a, b in zip(model.counts[bucket], before))
-
-    # With no counts every bin holds its prior hazard 1 - then: the geometric model, so the same length as ours.
-    cost = PassCost()
-    cost.use_profile([1.0, 1.6, 2.0, 1.5, 1.7, 1.75, 1.9, 1.8, 2.0, 2.1, 2.2])
-    tokens = np.arange(10, dtype=np.int32)
-    for first, then in ((0.9, 0.95), (0.5, 0.8), (0.2, 0.6)):
-        session = SimpleNamespace(_offered=(("cursor", 8), -1, tokens), _drafter=SimpleNamespace(cost=cost))
-        assert variants._Survival().length(session, Offer(tokens, first, then)) == \
-            best_draft_length(first, then, cost.costs(tokens.size))
-
-
 def test_run_summary_pools_the_copy_heavy_suites():
     # The speed issue's copy-heavy targets are medians over the yaml and code prompts together: run.py's summary
     # adds that row, each route's ratio to prompt lookup taken per prompt, then the median.
-    run = _load_benchmark("run")
 
     def record(suite, name, seconds):
         runs = [{"system": s, "seconds": t, "new_tokens": 10, "passes": 5, "identical": True, "draft_seconds": 0.0,
