@@ -40,3 +40,43 @@ def ngram_match_length(tokens: list[int], src: int, cap: int) -> int:
             break
         matched = m
     return matched
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The acceptance rule (twin of `verify`), one position at a time, as the papers state it
+#
+# Greedy: keep drafted tokens while each equals the target's argmax (the first index of the maximum, as torch's
+# argmax picks); the target's own token follows. Sampling (Leviathan et al. 2023, Chen et al. 2023, with q a point
+# mass on each drafted token x): accept x with probability min(1, p(x) / q(x)) = p(x), drawing u ~ U[0, 1) and
+# accepting when u < p(x); on the first rejection draw from norm(max(0, p - q)) = p with x removed; after a fully
+# accepted draft draw the bonus token from the last position's p. Randomness comes from a torch generator, one
+# uniform per decided position and one categorical draw per pass, in that order: the lazy fast path reads the
+# generator the same way, so seeded runs of the two give the same samples.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def accept_greedy(logits: list[list[float]], draft: list[int]) -> tuple[int, int]:
+    """(accepted, token) for ``logits`` [d + 1][vocab] and ``draft`` [d]."""
+    for pos in range(len(draft) + 1):
+        row = logits[pos]
+        best = max(range(len(row)), key=lambda i: (row[i], -i))  # the first maximal index
+        if pos == len(draft) or best != draft[pos]:
+            return pos, best
+    raise AssertionError("unreachable")
+
+
+def accept_sample(logits, draft: list[int], generator) -> tuple[int, int]:
+    """(accepted, token) for ``logits`` (a float tensor [d + 1, vocab]), drawing from ``generator``."""
+    import torch
+
+    for pos in range(len(draft) + 1):
+        p = torch.softmax(logits[pos].float(), dim=-1)
+        if pos == len(draft):
+            return pos, int(torch.multinomial(p, 1, generator=generator))
+        x = draft[pos]
+        if float(torch.rand((), generator=generator)) < float(p[x]):
+            continue
+        residual = p.clone()
+        residual[x] = 0.0
+        return pos, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    raise AssertionError("unreachable")

@@ -23,9 +23,19 @@ mass ``q`` this becomes: accept ``x`` with probability ``p(x)``; on rejection sa
 and renormalised; if everything is accepted, sample the bonus token from ``p_d``. Each committed token then follows
 exactly the distribution plain sampling would have given it.
 
-Processors run lazily, one position at a time, and stop at the first rejection: a top-p sort over a 50k
-vocabulary costs about a millisecond, so processing positions whose tokens are thrown away would cost more than
-drafting saves.
+Two ways to run it, chosen by where the logits are (``eager``):
+
+- **Lazy** (CPU logits): processors run one position at a time and stop at the first rejection. A top-p sort over
+  a 50k vocabulary costs about a millisecond on a CPU, so processing positions whose tokens are thrown away would
+  cost more than drafting saves; and a host read per position costs nothing there.
+- **Eager** (accelerator logits): every position is processed at once, without waiting, and the decision needs one
+  device-to-host transfer per pass (greedy: the argmax row, compared with the draft on the host; sampling: the
+  accepted count and the new token, drawn on the device). Each wait for the device costs more there than the
+  extra positions' work. Both give the same greedy verdicts; under sampling both are exact, but they read the
+  generator differently, so the lazy path keeps the samples a CPU run always gave.
+
+Random numbers come from ``generator`` on its own device (a CPU generator works with CUDA logits, and the other
+way round); sampling on the logits' device itself needs a generator there (or none).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # process(pos, logits_row) -> processed row; pos indexes the draft (0 .. d). Rows are [vocab].
@@ -47,52 +58,107 @@ class Verdict:
 
 def verify_greedy(
     logits: torch.Tensor,  # [d + 1, vocab] raw target logits for [last token, x_0 .. x_{d-1}]
-    draft: torch.Tensor,  # [d] long, on logits.device
+    draft: np.ndarray,  # [d] int, on the host
     process: Processor | None = None,
+    *,
+    eager: bool | None = None,  # None: eager unless the logits are on the CPU
 ) -> Verdict:
     """Longest prefix of ``draft`` equal to the target's argmax, plus the target's own next token."""
-    d = draft.shape[0]
-    if process is None:
-        # No processor depends on the prefix: one argmax over all rows, one transfer to the host.
-        choice = logits.argmax(dim=-1)  # [d + 1]
-        if d == 0:
-            return Verdict(0, int(choice[0]))
-        mismatch = (choice[:d] != draft).nonzero()
-        pos = int(mismatch[0, 0]) if mismatch.numel() else d
-        return Verdict(pos, int(choice[pos]))
-    for pos in range(d + 1):
-        token = int(process(pos, logits[pos]).argmax())
-        if pos == d or token != int(draft[pos]):
-            return Verdict(pos, token)
-    raise AssertionError("unreachable")
+    d = len(draft)
+    if eager is None:
+        eager = logits.device.type != "cpu"
+    if process is not None and not eager:
+        for pos in range(d + 1):
+            token = int(process(pos, logits[pos]).argmax())
+            if pos == d or token != int(draft[pos]):
+                return Verdict(pos, token)
+        raise AssertionError("unreachable")
+    if process is not None:
+        logits = torch.stack([process(pos, logits[pos]) for pos in range(d + 1)])
+    return greedy_verdict(logits.argmax(dim=-1).cpu().numpy(), draft)  # the one transfer: d + 1 token ids
+
+
+def greedy_verdict(choice: np.ndarray, draft: np.ndarray) -> Verdict:
+    """The greedy verdict from the target's choices ``choice`` [d + 1] (argmax of each position, on the host)."""
+    d = len(draft)
+    mismatch = np.flatnonzero(choice[:d] != draft)
+    pos = int(mismatch[0]) if mismatch.size else d
+    return Verdict(pos, int(choice[pos]))
 
 
 def verify_sample(
     logits: torch.Tensor,  # [d + 1, vocab] raw target logits for [last token, x_0 .. x_{d-1}]
-    draft: torch.Tensor,  # [d] long, on logits.device
+    draft: np.ndarray,  # [d] int, on the host
     process: Processor | None = None,
     generator: torch.Generator | None = None,
+    *,
+    eager: bool | None = None,  # None: eager unless the logits are on the CPU
 ) -> Verdict:
     """Exact speculative sampling with a point-mass draft (module docstring)."""
-    d = draft.shape[0]
+    d = len(draft)
+    if eager is None:
+        eager = logits.device.type != "cpu"
+    if eager:
+        return _sample_eager(logits, draft, process, generator)
     for pos in range(d + 1):
         row = logits[pos].float()
         if process is not None:
             row = process(pos, row)
         p = torch.softmax(row, dim=-1)  # [vocab]
         if pos == d:
-            return Verdict(d, _draw(p, generator))
+            return Verdict(d, int(_draw(p, generator)))
         x = int(draft[pos])
-        u = torch.rand((), generator=generator, device=p.device)
+        u = _uniform((), generator, p.device)
         if u < p[x]:  # P(accept) = p(x), since u is uniform on [0, 1)
             continue
         # Rejected: recover from p with x removed. p(x) < 1 here (u < 1 = p(x) would have accepted), so the
         # remaining mass is positive.
         p = p.clone()
         p[x] = 0.0
-        return Verdict(pos, _draw(p / p.sum(), generator))
+        return Verdict(pos, int(_draw(p / p.sum(), generator)))
     raise AssertionError("unreachable")
 
 
-def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=generator))
+def _sample_eager(logits, draft, process, generator) -> Verdict:
+    """The same rule on every position at once: ``u_pos < p_pos(x_pos)`` decides each drafted token, the first
+    failure (or the end of the draft) is where the pass stops, and the token there is drawn from ``p`` with the
+    drafted token removed (the recovered token) or from ``p_d`` (the bonus token). One transfer at the end."""
+    d = len(draft)
+    rows = logits.float()
+    if process is not None:
+        rows = torch.stack([process(pos, rows[pos]) for pos in range(d + 1)])
+    p = torch.softmax(rows, dim=-1)  # [d + 1, vocab]
+    device = p.device
+    x = torch.as_tensor(np.asarray(draft, dtype=np.int64)).to(device, non_blocking=True)  # [d]
+    accept = _uniform((d,), generator, device) < p[torch.arange(d, device=device), x]  # [d]
+    accepted = accept.to(torch.int64).cumprod(0).sum()  # first rejection, or d; stays on the device
+    row = p.index_select(0, accepted.view(1))[0].clone()  # p at the stopping position [vocab]
+    # Remove the drafted token there, unless the whole draft was accepted (then the bonus comes from p_d as is):
+    # position d holds a dummy index whose probability is written back unchanged.
+    at = torch.cat([x, x.new_zeros(1)])[accepted]
+    row[at] = torch.where(accepted < d, torch.zeros_like(row[at]), row[at])
+    token = _draw(row / row.sum(), generator)
+    accepted, token = torch.stack([accepted, token.view(())]).tolist()
+    return Verdict(accepted, token)
+
+
+def _same_device(generator: torch.Generator | None, device: torch.device) -> bool:
+    return generator is None or generator.device == device
+
+
+def _uniform(shape: tuple, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Uniform [0, 1) numbers on ``device``, drawn from ``generator`` on the generator's own device."""
+    if _same_device(generator, device):
+        return torch.rand(shape, generator=generator, device=device)
+    return torch.rand(shape, generator=generator, device=generator.device).to(device)
+
+
+def _draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index drawn from the distribution ``p`` [vocab] (a 0-d tensor on ``p``'s device). With a generator on
+    another device than ``p``, by inverting the cumulative distribution at a uniform drawn from that generator."""
+    if _same_device(generator, p.device):
+        return torch.multinomial(p, 1, generator=generator)[0]
+    cdf = p.cumsum(0)
+    u = _uniform((), generator, p.device) * cdf[-1]
+    # The first index whose cumulative mass exceeds u: never a token of zero probability.
+    return torch.searchsorted(cdf, u.view(1), right=True)[0].clamp(max=p.numel() - 1)
