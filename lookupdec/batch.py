@@ -30,8 +30,10 @@ import time
 import numpy as np
 import torch
 
+from ._device import host_buffer, input_device, synchronize
 from ._transformers import batch_cache, forward_params, gather_cache_slots, target_forward
 from .stats import GenerationStats, LookupOutput
+from .verify import greedy_verdict
 
 _COMPACT_SLACK = 64  # cache slots of holes tolerated beyond the longest row's tokens, before compacting
 
@@ -54,14 +56,14 @@ class _Row:
         self.draft = np.zeros(0, dtype=np.int32)
 
     def _process(self, pos: int, row: torch.Tensor) -> torch.Tensor:
-        return self.resolved.processors(self.seq[:, : self.cur + pos], row[None, :].float())[0]
+        return self.resolved.processors(self.seq[:, : self.cur + pos].to(row.device), row[None, :].float())[0]
 
 
 def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, trace) -> LookupOutput:
     """Batched lookup decoding of ``input_ids`` [B, L] (left padding given by ``mask`` [B, L] bool and ``lengths``
     [B]) for a ``loop.Job``; each row's output equals what the row alone would give."""
     model, max_new_tokens, drafter = job.model, job.max_new_tokens, job.drafter
-    device = model.device
+    device = input_device(model)  # drafts go where the model reads its input; logits are read where they are
     batch, width = input_ids.shape
     traces = list(trace) if trace is not None else [None] * batch
     if len(traces) != batch:
@@ -81,8 +83,10 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
             traces[r].start(prompt[0].tolist())
     pick = job.verifier(rows[0].resolved)  # one generation config: every row greedy, or every row sampled
     stats = GenerationStats(rows=[row.stats for row in rows])
-    # Batches of two or more rows price drafts per batch size; the measured profile serves once one row is left.
-    job.calibrate()
+    # A batch prices drafts by its size's bucket, measured for the starting size; the single-row profile serves
+    # once one row is left.
+    job.calibrate(rows=1)
+    job.calibrate(rows=batch)
 
     # Prefill, as plain batched generate does it: left padding masked out, positions counted from each row's start.
     mask = mask.to(device)
@@ -90,26 +94,30 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
     positions.masked_fill_(~mask, 1)
     t0 = time.perf_counter()
     logits = target_forward(model, input_ids.to(device), cache, 1, params, mask, positions)  # [batch, 1, vocab]
+    synchronize(logits.device)
     pass_seconds = time.perf_counter() - t0
     stats.model_seconds += pass_seconds
     stats.target_passes += 1
-    empty = input_ids.new_empty(0, device=device)
-    for i, row in enumerate(rows):
-        row.step_tokens = [pick(logits[i], empty, row.process).token]
+    verdicts = _verify(pick, logits, [row.draft for row in rows], rows)
+    for row, verdict in zip(rows, verdicts):
+        row.step_tokens = [verdict.token]
         row.stats.target_passes += 1
         row.stats.model_seconds += pass_seconds
 
     # Cache bookkeeping for the rows still running (``active``, in cache order): ``kv_mask[i, slot]`` says whether
     # a cache slot holds one of row i's tokens; ``counts[i]`` how many do, which is also the position of its last
     # committed token, the one not yet in the cache.
+    # Both live on the host too (counts as numpy), so that sizing a step never waits for the device.
     active = rows
     kv_mask = mask
-    counts = lengths.to(device).clone()
+    counts = lengths.cpu().numpy().astype(np.int64)
+    feed_host = host_buffer(batch * (drafter.drafter_config.max_draft + 1), device)
     while True:
         finished = []
         for i, row in enumerate(active):
+            # The accepted tokens are in row.seq already (the draft was written there); the target's token follows.
             n_new = len(row.step_tokens)
-            row.seq[0, row.cur: row.cur + n_new] = torch.tensor(row.step_tokens, dtype=torch.long)
+            row.seq[0, row.cur + n_new - 1] = row.step_tokens[-1]
             done, keep = row.resolved.stop(row.step_tokens, row.seq, row.cur,
                                            max_new_tokens - (row.cur - row.prompt_len))
             row.cur += keep
@@ -129,53 +137,50 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
                 break
             select = torch.tensor(keep_rows, device=device)
             cache.batch_select_indices(select)
-            kv_mask, counts = kv_mask[select], counts[select]
+            kv_mask, counts = kv_mask[select], counts[keep_rows]
             active = [active[i] for i in keep_rows]
-        kv_mask = _compact(cache, kv_mask, counts)
+        kv_mask = _compact(cache, kv_mask, int(counts.max()))
 
         t0 = time.perf_counter()
         drafts = drafter.propose([row.session for row in active],
                                  [max_new_tokens - (row.cur - row.prompt_len) - 1 for row in active])
         stats.draft_seconds += time.perf_counter() - t0
         span = max(len(draft) for draft in drafts) + 1  # tokens fed per row
-        feed = torch.empty((len(active), span), dtype=torch.long, device=device)
-        feed_mask = torch.zeros((len(active), span), dtype=torch.bool, device=device)
-        draft_ts = []
+        # Built on the host ([last token, draft, filler] per row, the filler masked out), then one copy.
+        host = feed_host[: len(active) * span].view(len(active), span)
+        lens = np.array([len(draft) for draft in drafts])
         for i, (row, draft) in enumerate(zip(active, drafts)):
-            d = len(draft)
-            draft_t = torch.from_numpy(draft.astype(np.int64)).to(device)
-            row.seq[0, row.cur: row.cur + d] = draft_t
-            feed[i, : d + 1] = row.seq[0, row.cur - 1: row.cur + d]
-            feed[i, d + 1:] = feed[i, 0]  # filler, masked out
-            feed_mask[i, : d + 1] = True
+            host[i, :] = row.step_tokens[-1]  # the last token, and the filler after the draft
+            host[i, 1: len(draft) + 1] = torch.from_numpy(draft.astype(np.int64))
             row.draft = draft
-            draft_ts.append(draft_t)
-        positions = counts[:, None] + torch.arange(span, device=device)
+        feed = host.to(device, non_blocking=True)  # [rows, span]
+        feed_mask = torch.from_numpy(np.arange(span) <= lens[:, None]).to(device)  # [rows, span]
+        for i, row in enumerate(active):
+            row.seq[0, row.cur: row.cur + lens[i]] = feed[i, 1: lens[i] + 1]
+        positions = torch.from_numpy(counts[:, None] + np.arange(span)).to(device)
 
         t0 = time.perf_counter()
         logits = target_forward(model, feed, cache, span, params, torch.cat([kv_mask, feed_mask], dim=1),
                                 positions)  # [rows, span, vocab]
+        synchronize(logits.device)
         pass_seconds = time.perf_counter() - t0
         drafter.observe(len(active), span - 1, pass_seconds)
         stats.model_seconds += pass_seconds
         stats.target_passes += 1
 
-        accepted = []
-        for i, (row, draft_t) in enumerate(zip(active, draft_ts)):
-            d = len(draft_t)
-            verdict = pick(logits[i, : d + 1], draft_t, row.process)
-            row.stats.record(d, verdict.accepted)
+        accepted = np.zeros(len(active), dtype=np.int64)
+        for i, (row, verdict) in enumerate(zip(active, _verify(pick, logits, drafts, active))):
+            row.stats.record(len(row.draft), verdict.accepted)
             row.stats.target_passes += 1
             row.stats.model_seconds += pass_seconds
             row.step_tokens = row.draft[: verdict.accepted].tolist() + [verdict.token]
-            accepted.append(verdict.accepted)
+            accepted[i] = verdict.accepted
         # Keep as many of the new slots as the row that accepted most needs; the other rows' extra slots in that
         # span stay in the cache as masked holes (compacted away once they pile up).
-        accepted_t = torch.tensor(accepted, device=device)
-        kept = int(accepted_t.max()) + 1
+        kept = int(accepted.max()) + 1
         cache.crop(kept - span)
-        kv_mask = torch.cat([kv_mask, torch.arange(kept, device=device) <= accepted_t[:, None]], dim=1)
-        counts = counts + accepted_t + 1
+        kv_mask = torch.cat([kv_mask, torch.from_numpy(np.arange(kept) <= accepted[:, None]).to(device)], dim=1)
+        counts = counts + accepted + 1
 
     for row in rows:
         stats.add_row(row.stats)
@@ -188,7 +193,16 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
     return LookupOutput(sequences=out, stats=stats)
 
 
-def _compact(cache, kv_mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _verify(pick, logits: torch.Tensor, drafts, rows) -> list:
+    """Each row's verdict on its draft, from ``logits`` [rows, span, vocab]. Greedy rows without processors (the
+    common case) are decided from one argmax over the whole batch and one transfer to the host."""
+    if not rows[0].resolved.do_sample and all(row.process is None for row in rows):
+        choices = logits.argmax(dim=-1).cpu().numpy()  # [rows, span]
+        return [greedy_verdict(choices[i, : len(draft) + 1], draft) for i, draft in enumerate(drafts)]
+    return [pick(logits[i, : len(draft) + 1], draft, row.process) for i, (row, draft) in enumerate(zip(rows, drafts))]
+
+
+def _compact(cache, kv_mask: torch.Tensor, longest: int) -> torch.Tensor:
     """Squeeze the masked holes out of the cache once they take more room than the tokens do, so memory stays
     proportional to the longest row.
 
@@ -205,7 +219,7 @@ def _compact(cache, kv_mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
     Keys carry their positions already (rotary or absolute embeddings were applied when they were computed), so
     moving slots changes nothing a query sees.
     """
-    slots, longest = kv_mask.shape[1], int(counts.max())
+    slots = kv_mask.shape[1]
     if slots <= 2 * longest + _COMPACT_SLACK:
         return kv_mask
     # A stable sort of the mask puts each row's holes first and its tokens last, both in their original order.

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._device import host_buffer, input_device, synchronize
 from ._transformers import Resolved, forward_params, resolve_generation, rollback_cache, target_forward
 from .calibration import calibrate_or_warn
 from .batch import generate_batch
@@ -133,11 +134,11 @@ class Job:
     tokenizer: object
     calibration_seconds: float = 0.0
 
-    def calibrate(self) -> None:
-        """Give the drafter this model's measured pass cost (measured once per model, device and thread count,
-        then from memory or disk), once the request has been checked."""
+    def calibrate(self, rows: int = 1) -> None:
+        """Give the drafter this model's measured pass cost for passes of ``rows`` rows (measured once per model,
+        device, thread count and batch bucket, then from memory or disk), once the request has been checked."""
         t0 = time.perf_counter()
-        calibrate_or_warn(self.drafter, self.model)
+        calibrate_or_warn(self.drafter, self.model, rows=rows)
         self.calibration_seconds += time.perf_counter() - t0
 
     def resolve(self, prompt: torch.Tensor) -> Resolved:  # prompt [1, prompt_len]
@@ -158,7 +159,7 @@ class Job:
 
 def _generate(job: Job, input_ids: torch.Tensor, length: int, streamer, trace) -> LookupOutput:
     model, max_new_tokens, drafter = job.model, job.max_new_tokens, job.drafter
-    device = model.device
+    device = input_device(model)  # drafts go where the model reads its input; logits are read where they are
     # Batch of one: left padding carries no information; drop it and put it back in the output.
     padding = input_ids.shape[1] - length
     prompt = input_ids[:, padding:].to(device)
@@ -166,16 +167,17 @@ def _generate(job: Job, input_ids: torch.Tensor, length: int, streamer, trace) -
     resolved = job.resolve(prompt)
     stats = GenerationStats()
 
-    # seq holds prompt + committed tokens (and, during a step, the draft): processors read prefixes of it.
-    # A draft never exceeds the remaining budget minus one, so this is enough room.
+    # seq holds prompt + committed tokens (and, during a step, the draft): processors and stopping criteria read
+    # prefixes of it. A draft never exceeds the remaining budget minus one, so this is enough room.
     seq = torch.empty((1, prompt_len + max_new_tokens), dtype=torch.long, device=device)
     seq[:, :prompt_len] = prompt
     cur = prompt_len  # committed length
+    feed_host = host_buffer(drafter.drafter_config.max_draft + 1, device)  # [last token, draft...]
 
     processors = resolved.processors
 
     def process(pos: int, row: torch.Tensor) -> torch.Tensor:  # row [vocab] -> processed [vocab]
-        return processors(seq[:, : cur + pos], row[None, :].float())[0]
+        return processors(seq[:, : cur + pos].to(row.device), row[None, :].float())[0]
 
     process_fn = process if len(processors) else None
     pick = job.verifier(resolved)
@@ -190,19 +192,21 @@ def _generate(job: Job, input_ids: torch.Tensor, length: int, streamer, trace) -
     session = drafter.start(prompt[0].cpu().numpy(), eos_ids=resolved.eos_ids)
     t0 = time.perf_counter()
     logits = target_forward(model, prompt, cache, 1, params)[0]  # [1, vocab]
+    synchronize(logits.device)
     pass_seconds = time.perf_counter() - t0
     stats.model_seconds += pass_seconds
     stats.target_passes += 1
-    verdict = pick(logits, prompt.new_empty(0), process_fn)
-    step_tokens = [verdict.token]
     draft = np.zeros(0, dtype=np.int32)
+    verdict = pick(logits, draft, process_fn)
+    step_tokens = [verdict.token]
     if trace is not None:
         trace.start(prompt[0].tolist())
     step_started = None
     while True:
-        # Commit step_tokens (the previous pass's accepted tokens + its target token).
+        # Commit step_tokens (the previous pass's accepted tokens + its target token). The accepted tokens are in
+        # seq already (the draft was written there); the target's token goes after them.
         n_new = len(step_tokens)
-        seq[0, cur: cur + n_new] = torch.tensor(step_tokens, dtype=torch.long)
+        seq[0, cur + n_new - 1] = step_tokens[-1]
         done, keep = resolved.stop(step_tokens, seq, cur, max_new_tokens - (cur - prompt_len))
         committed = step_tokens[:keep]
         cur += keep
@@ -221,17 +225,19 @@ def _generate(job: Job, input_ids: torch.Tensor, length: int, streamer, trace) -
         draft = drafter.propose([session], [max_new_tokens - (cur - prompt_len) - 1])[0]
         stats.draft_seconds += time.perf_counter() - t0
         d = len(draft)
-        draft_t = torch.from_numpy(draft.astype(np.int64)).to(device)
-        seq[0, cur: cur + d] = draft_t
-        feed = seq[:, cur - 1: cur + d]  # [1, d + 1]: last committed token + draft
+        feed_host[0] = step_tokens[-1]
+        feed_host[1: d + 1] = torch.from_numpy(draft.astype(np.int64))
+        feed = feed_host[: d + 1].to(device, non_blocking=True)[None, :]  # [1, d + 1]: last committed + draft
+        seq[0, cur: cur + d] = feed[0, 1:]
 
         t0 = time.perf_counter()
         logits = target_forward(model, feed, cache, d + 1, params)[0]  # [d + 1, vocab]
+        synchronize(logits.device)
         pass_seconds = time.perf_counter() - t0
         stats.model_seconds += pass_seconds
         stats.target_passes += 1
 
-        verdict = pick(logits, draft_t, process_fn)
+        verdict = pick(logits, draft, process_fn)
         stats.record(d, verdict.accepted)
         # Drop the rejected positions. crop(0) is not a no-op: sliding-window layers release the past they kept
         # in case of a rollback.
