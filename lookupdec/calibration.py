@@ -2,13 +2,14 @@
 device and thread count, and cached on disk.
 
 Whether a draft pays depends on what verifying it costs, and that curve is a property of the model, the hardware
-and the math library, not of the text. On this project's 2-core CPU (SmolLM2-135M, fp32, one torch thread) it is
+and the math library, not of the text. On a 2-core x86_64 CPU (SmolLM2-135M, fp32, one torch thread) it is
 far from a straight line: MKL runs matrix products with 2 or 3 rows as that many matrix-vector products and only
 from 4 rows on as a matrix-matrix product, so a pass with 2 drafted tokens (3 rows fed) costs about 2.0 plain
 steps while one with 3 drafted tokens costs about 1.5; with two threads the whole curve is flatter (32 drafted
 tokens: 2.5-3.0 steps instead of 3.7). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
-a pass at every draft length up to 16 and every fourth one beyond (interpolated between), on a synthetic context,
-and keeps the result in ``cache_dir()/costs/`` keyed by everything that changes it.
+a pass at every draft length up to 8 and at a few longer ones (interpolated between), on a synthetic context, in
+about 2.5 s for SmolLM2-135M on a 2-core CPU, and keeps the result in ``cache_dir()/costs/`` keyed by everything
+that changes it. Batches are measured the same way per batch-size bucket, for drafts of up to ``BATCH_DRAFT``.
 
 :func:`calibrate` hands the profile to a drafter; :func:`lookupdec.generate` does that on its own when
 ``DrafterConfig.calibrate`` is set (the default). For the transformers route call it yourself::
@@ -33,34 +34,39 @@ import numpy as np
 import torch
 
 from ._fs import atomic_write, cache_dir
+from ._device import input_device
 from ._transformers import forward_params, rollback_cache, target_forward
 from .drafter import Drafter, DrafterConfig
 
 _log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 2  # bump when the measurement changes meaning; old files are then measured again
+BATCH_DRAFT = 32  # longest draft length measured for batches: a wide batch pass is costly, so batches draft short
 CONTEXT = 256  # tokens of synthetic context the passes run on (the curve barely moves between 300 and 1000)
-ROUNDS = 3  # interleaved timing rounds per length at least; the fastest is kept
-MAX_ROUNDS = 15  # ... and at most, while they fit in BUDGET_S
-BUDGET_S = 4.0  # seconds of timed rounds a fast model may spend on more samples
+ROUNDS = 2  # interleaved timing rounds per length at least; the fastest is kept (interference only adds time)
+MAX_ROUNDS = 6  # ... and at most, while they fit in BUDGET_S
+BUDGET_S = 2.5  # seconds of timed rounds a fast model may spend on more samples (a first call waits for them)
 
 _memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(threads, device, dtype): profile}
 _memo_lock = threading.Lock()  # guards _memo and _key_locks only, never held while measuring
 _key_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {local key: Lock}
 
 
-def calibrate(drafter: Drafter, model, *, refresh: bool = False, on_measure=None) -> np.ndarray:
-    """Give ``drafter`` the measured pass-cost profile of ``model`` (measured now, or read from the cache) and
-    return it: ``profile[d]`` is the time of a pass with ``d`` drafted tokens relative to a plain step.
-    ``on_measure()`` is called before a measurement (not when the profile is known), e.g. to say why it waits.
-    Raises what measuring raises (``ValueError`` for a model whose context is too short to measure in);
-    :func:`lookupdec.generate` catches that, warns, and keeps the straight-line fit."""
-    profile = pass_costs(model, drafter.drafter_config.max_draft, refresh=refresh, on_measure=on_measure)
-    drafter.cost.use_profile(profile, source=model)
+def calibrate(drafter: Drafter, model, *, rows: int = 1, refresh: bool = False, on_measure=None) -> np.ndarray:
+    """Give ``drafter`` the measured pass-cost profile of ``model`` for passes of ``rows`` rows (measured now, or
+    read from the cache) and return it: ``profile[d]`` is the time of a pass with ``d`` drafted positions relative
+    to a plain step of as many rows. Batches are priced per :meth:`Drafter.batch_rows` bucket (``rows`` is
+    rounded up to it). ``on_measure()`` is called before a measurement (not when the profile is known), e.g. to say
+    why it waits. Raises what measuring raises (``ValueError`` for a model whose context is too short to measure
+    in); :func:`lookupdec.generate` catches that, warns, and keeps the straight-line fit."""
+    rows = drafter.batch_rows(rows)
+    longest = drafter.drafter_config.max_draft if rows == 1 else min(drafter.drafter_config.max_draft, BATCH_DRAFT)
+    profile = pass_costs(model, longest, rows=rows, refresh=refresh, on_measure=on_measure)
+    drafter.batch_cost(rows).use_profile(profile, source=model)
     return profile
 
 
-def calibrate_or_warn(drafter: Drafter, model, on_measure=None) -> None:
+def calibrate_or_warn(drafter: Drafter, model, on_measure=None, *, rows: int = 1) -> None:
     """What :func:`lookupdec.generate` and the CLI run before decoding: calibrate ``drafter`` to ``model`` unless
     its config says not to (``calibrate=False``, or ``adaptive=False``: it does not choose lengths) or the caller
     set a profile of its own. A calibration that fails only costs the measured curve: a warning, and the drafter
@@ -68,27 +74,28 @@ def calibrate_or_warn(drafter: Drafter, model, on_measure=None) -> None:
     config = drafter.drafter_config
     if not (config.calibrate and config.adaptive):
         return
-    if drafter.cost.profile is not None and drafter.cost.profile_source is None:
+    cost = drafter.batch_cost(rows)
+    if cost.profile is not None and cost.profile_source is None:
         return  # set by hand with use_profile(): the caller knows better
-    if drafter.cost.profile_source is model:
+    if cost.profile_source is model:
         return  # already calibrated to this model (the memo would answer too, but this skips the key)
     try:
-        calibrate(drafter, model, on_measure=on_measure)
+        calibrate(drafter, model, rows=rows, on_measure=on_measure)
     except Exception as err:  # noqa: BLE001 - any failure here must not stop generation
         _log.warning("could not measure the pass cost of %s (%s); drafting with a straight-line cost model",
                      type(model).__name__, err)
 
 
-def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, refresh: bool = False,
+def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows: int = 1, refresh: bool = False,
                on_measure=None) -> np.ndarray:
-    """``profile[d]`` for ``d = 0 .. max_draft`` (a new array): the time of one target pass with ``d`` drafted
-    tokens, relative to a plain step, on this model, device, dtype and torch thread count. Read from
-    ``cache_dir()/costs/`` when measured before (``refresh`` measures again), kept in memory per model. Other
-    models and threads are not held up while one model is measured."""
-    if max_draft < 1:
-        raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+    """``profile[d]`` for ``d = 0 .. max_draft`` (a new array): the time of one target pass over ``rows`` rows with
+    ``d`` drafted positions each, relative to a plain step of ``rows`` rows, on this model, device, dtype and torch
+    thread count. Read from ``cache_dir()/costs/`` when measured before (``refresh`` measures again), kept in
+    memory per model. Other models and threads are not held up while one model is measured."""
+    if max_draft < 1 or rows < 1:
+        raise ValueError(f"need max_draft >= 1 and rows >= 1, got {max_draft} and {rows}")
     # What can change between calls on one model object; the full key (config, versions) is computed on a miss.
-    local = (torch.get_num_threads(), str(model.device), str(model.dtype))
+    local = (torch.get_num_threads(), str(model.device), str(model.dtype), rows)
     with _memo_lock:
         known = _memo.get(model, {}).get(local)
         if known is not None and known.size > max_draft and not refresh:
@@ -99,27 +106,28 @@ def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, refresh: bool
             known = _memo.get(model, {}).get(local)
         if known is not None and known.size > max_draft and not refresh:
             return known[: max_draft + 1].copy()
-        path = cache_dir() / "costs" / f"{profile_key(model)}.json"
+        path = cache_dir() / "costs" / f"{profile_key(model)}{'' if rows == 1 else f'-rows{rows}'}.json"
         profile = None if refresh else _read(path, max_draft)
         if profile is None:
             if on_measure is not None:
                 on_measure()
-            _log.info("measuring the pass cost of %s by draft length (once; cached in %s)", type(model).__name__,
-                      path.parent)
+            _log.info("measuring the pass cost of %s by draft length, %d row(s) (once; cached in %s)",
+                      type(model).__name__, rows, path.parent)
             started = time.perf_counter()
-            profile = measure_pass_costs(model, max_draft)
-            _log.info("measured the pass-cost profile of %s in %.1f s: %s", type(model).__name__,
-                      time.perf_counter() - started, np.round(profile, 2).tolist())
+            profile = measure_pass_costs(model, max_draft, rows=rows)
+            _log.info("measured the pass-cost profile of %s (%d row(s)) in %.1f s: %s", type(model).__name__,
+                      rows, time.perf_counter() - started, np.round(profile, 2).tolist())
             _write(path, profile)
         with _memo_lock:
             _memo.setdefault(model, {})[local] = profile
         return profile[: max_draft + 1].copy()
 
 
-def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, context: int = CONTEXT,
+def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows: int = 1, context: int = CONTEXT,
                        rounds: int = ROUNDS, budget_s: float = BUDGET_S) -> np.ndarray:
-    """Time target passes of ``d + 1`` tokens on a ``context``-token cache for ``d`` in :func:`_lengths`, in
-    interleaved rounds after one untimed warm-up round: ``rounds`` of them, or more while they fit in
+    """Time target passes of ``rows`` x ``d + 1`` tokens on a ``context``-token cache for ``d`` in :func:`_lengths`, in
+    interleaved rounds after an untimed pass of the shortest and the longest shape (first-call costs: allocation,
+    kernel selection): ``rounds`` of them, or more while they fit in
     ``budget_s`` seconds (fast models get more samples), at most ``MAX_ROUNDS``. Keeps each length's fastest time
     (interference from other work only ever adds time), relative to ``d == 0``, interpolated to every ``d = 0 ..
     max_draft``. Uses its own generator: the global RNG is left alone. ``ValueError`` when the model's context
@@ -133,14 +141,14 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, conte
         raise ValueError(f"a context of {limit} positions cannot hold a {max_draft}-token draft after a prompt")
     context = max(1, min(context, limit - max_draft - 2))
     generator = torch.Generator().manual_seed(0)
-    device = model.device
+    device = input_device(model)
     params = forward_params(model)
     times = {d: [] for d in lengths}
 
     def one_round(timed: bool) -> float:
         started = time.perf_counter()
         for d in lengths:
-            feed = torch.randint(text.vocab_size, (1, d + 1), generator=generator).to(device)
+            feed = torch.randint(text.vocab_size, (rows, d + 1), generator=generator).to(device)
             start = time.perf_counter()
             # .item() waits for the pass on any device (CUDA, MPS, XPU, a model split over several GPUs).
             target_forward(model, feed, cache, d + 1, params)[0, -1, 0].item()
@@ -151,9 +159,12 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, conte
 
     with torch.inference_mode():
         cache = rollback_cache(model)
-        target_forward(model, torch.randint(text.vocab_size, (1, context), generator=generator).to(device), cache,
-                       1, params)
-        one_round(timed=False)  # warms up every shape
+        target_forward(model, torch.randint(text.vocab_size, (rows, context), generator=generator).to(device),
+                       cache, 1, params)
+        for d in (0, max_draft):  # a first call of a shape pays its allocations; min() over rounds absorbs the rest
+            target_forward(model, torch.randint(text.vocab_size, (rows, d + 1), generator=generator).to(device),
+                           cache, d + 1, params)[0, -1, 0].item()
+            cache.crop(-(d + 1))
         spent, done = 0.0, 0
         while done < rounds or (done < MAX_ROUNDS and spent + spent / done <= budget_s):
             spent += one_round(timed=True)
@@ -189,9 +200,12 @@ def profile_key(model) -> str:
 
 
 def _lengths(max_draft: int) -> list[int]:
-    """Every draft length up to 16 (where the curve is jagged), then every fourth, then every sixteenth past 64."""
-    lengths = list(range(min(max_draft, 16) + 1))
-    lengths += list(range(20, min(max_draft, 64) + 1, 4)) + list(range(80, max_draft + 1, 16))
+    """The draft lengths measured: every one up to 8 (short drafts are the most common, and where a CPU's curve is
+    most jagged), then 12, 16, 24, 32 and every 32nd, and ``max_draft``; the profile interpolates between them.
+    Pricing drafts with this sparse curve instead of one measured at every length moved simulated speed by 0-2%
+    (suite medians, SmolLM2 on a 2-core CPU, docs/design.md), and it measures in a fraction of the time."""
+    lengths = list(range(min(max_draft, 8) + 1)) + [d for d in (12, 16, 24, 32) if d < max_draft]
+    lengths += list(range(64, max_draft, 32))
     if lengths[-1] != max_draft:
         lengths.append(max_draft)
     return lengths

@@ -160,16 +160,26 @@ class Drafter:
         self._batch_costs = {}
         self._batch_lock = threading.Lock()
 
-    def batch_cost(self, rows: int) -> PassCost:
-        """The pass-cost model of batches of ``rows`` rows (relative to a plain batched step), fitted online.
+    @staticmethod
+    def batch_rows(rows: int) -> int:
+        """The bucket a batch of ``rows`` rows is priced in: the next power of two. A batch shrinks as its rows
+        finish; its pass cost changes little between neighbouring sizes, and a profile measured per bucket serves
+        every size in it."""
+        return 1 << max(rows - 1, 0).bit_length()
 
-        Batching changes the price of a draft: a plain step of ``rows`` rows already runs matrix-matrix products,
-        and every drafted position is paid ``rows`` times (the pass is as wide as its longest draft). Measured on a
-        2-core CPU with SmolLM2-135M, a drafted position costs about 0.035 * rows plain batched steps, against 0.05
-        for one row: by 8 rows a draft must be right far more often to pay. Those figures are the priors.
+    def batch_cost(self, rows: int) -> PassCost:
+        """The pass-cost model of passes over ``rows`` rows (relative to a plain step of as many rows): the
+        single-row model for one row, else one per :meth:`batch_rows` bucket.
+
+        Batching changes the price of a draft: a plain step of several rows already runs matrix-matrix products,
+        and every drafted position is paid once per row (the pass is as wide as its longest draft). With
+        ``calibrate`` on, ``lookupdec.generate`` measures the bucket of a batch's starting size
+        (``lookupdec.calibrate(..., rows=n)``); other buckets fit a straight line online, starting from a prior
+        that grows with the rows (a drafted position costing 0.035 x rows plain steps).
         """
         if rows <= 1:
             return self.cost
+        rows = self.batch_rows(rows)
         with self._batch_lock:
             if rows not in self._batch_costs:
                 self._batch_costs[rows] = PassCost(prior_jump=0.05 * rows, prior_slope=0.035 * rows)

@@ -101,15 +101,16 @@ class PassCost:
     """A step's wall time against draft length ``d``, relative to a plain step: :meth:`costs`.
 
     With a measured profile (:meth:`use_profile`, from ``lookupdec.calibrate``) that is the profile: the cost of
-    every draft length, as measured on this model, device and thread count. The curve need not be straight or
-    even rise: on this project's CPU, one torch thread, SmolLM2-135M, a pass with 2 drafted tokens costs 2.0
-    plain steps and one with 3 costs 1.5 (MKL runs products of 2 or 3 rows as that many matrix-vector products).
+    every draft length, as measured on this model, device, dtype and thread count. The curve need not be straight
+    or even rise (a CPU's math library may run products of 2 or 3 rows as that many matrix-vector products, and
+    one of 4 rows as a cheaper matrix-matrix product), and on a GPU it is nearly flat for short drafts.
 
-    Without one, a straight line: a plain step runs matrix-vector products, while any draft turns them into
-    matrix-matrix products, which cost about 1.6 plain steps at once and then ~5% of a step per drafted token
-    (32 tokens: ~3.2 steps). So ``time(0) = t0`` and ``time(d) = t1 + slope * d`` for ``d >= 1``, fitted by
-    exponentially forgotten least squares on the steps actually run (:meth:`relative`); until enough steps of a
-    kind have been seen, that CPU shape stands in. Batches use the straight line (``LookupDrafter.batch_cost``).
+    Without one (``DrafterConfig(calibrate=False)``, or a measurement that failed), a straight line: ``time(0) =
+    t0`` and ``time(d) = t1 + slope * d`` for ``d >= 1``, fitted by exponentially forgotten least squares on the
+    steps actually run (:meth:`relative`). Until enough steps of a kind have been seen, a cautious prior stands in:
+    any draft costs 1.6 plain steps, plus 5% of a step per drafted token. It is a prior, not a fact about any
+    machine: it makes an unmeasured drafter draft only copies that are likely to be right, and the fit takes over
+    after a few passes.
     """
 
     PRIOR_JUMP = 0.55  # time(1) / time(0) - 1 - PRIOR_SLOPE

@@ -29,11 +29,27 @@ def test_measured_profile_is_relative_to_a_plain_step_and_leaves_the_global_rng_
         cal.measure_pass_costs(model, max_draft=12, rounds=0)
 
 
-def test_lengths_are_dense_where_the_curve_is_jagged():
+def test_lengths_are_dense_for_short_drafts_and_sparse_beyond():
     assert cal._lengths(5) == [0, 1, 2, 3, 4, 5]
-    assert cal._lengths(32) == list(range(17)) + [20, 24, 28, 32]
-    assert cal._lengths(30) == list(range(17)) + [20, 24, 28, 30]
-    assert cal._lengths(100)[-3:] == [80, 96, 100]
+    assert cal._lengths(32) == list(range(9)) + [12, 16, 24, 32]
+    assert cal._lengths(30) == list(range(9)) + [12, 16, 24, 30]
+    assert cal._lengths(64) == list(range(9)) + [12, 16, 24, 32, 64]
+    assert cal._lengths(100)[-3:] == [64, 96, 100]
+
+
+def test_batches_are_calibrated_per_size_bucket(tiny_factory, cache_dir):
+    # A batch's pass cost is measured for its starting size's bucket (the next power of two), in files of their
+    # own, and drafts of up to BATCH_DRAFT; one row keeps the single-row profile.
+    model = tiny_factory("llama")
+    drafter = LookupDrafter()
+    assert [drafter.batch_rows(r) for r in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    prompts = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7], [9, 8, 7, 6, 9, 8, 7, 6], [1, 4, 5, 6, 1, 4, 5, 6]])
+    lookupdec.generate(model, prompts, torch.ones_like(prompts), max_new_tokens=4, drafter=drafter)
+    four = drafter.batch_cost(3)
+    assert four is drafter.batch_cost(4) and four.profile_source is model
+    assert four.profile.size == cal.BATCH_DRAFT + 1 and four.profile[0] == 1.0
+    assert drafter.cost.profile_source is model and drafter.batch_cost(2).profile is None  # not run: not measured
+    assert sorted(p.name.endswith("-rows4.json") for p in cache_dir.glob("*.json")) == [False, True]
 
 
 def test_the_profile_is_cached_on_disk_and_measured_again_when_asked(tiny_factory, cache_dir, monkeypatch):
