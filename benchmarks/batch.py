@@ -26,8 +26,8 @@ from lookupdec import LookupDrafter
 
 def left_pad(rows, pad: int):
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long, device=rows[0].device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=rows[0].device)
     for i, r in enumerate(rows):
         ids[i, width - len(r):] = r
         mask[i, width - len(r):] = 1
@@ -55,7 +55,7 @@ def run_batches(model, tokenizer, prompts, sizes, args, encode) -> dict:
         print(f"--batch {count}: {len(prompts)} prompts, repeated to fill {count} rows", file=sys.stderr)
         prompts = [prompts[i % len(prompts)] for i in range(count)]
     prompts = prompts[:count]
-    encoded = [encode(tokenizer, p.user)[0] for p in prompts]
+    encoded = [encode(tokenizer, p.user)[0].to(model.device) for p in prompts]
     kw = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     with torch.inference_mode():
         singles = [

@@ -115,6 +115,7 @@ def run_system(system, model, ids, args, counter, answer, pld):
         torch.manual_seed(args.seed)
     else:
         kw.update(do_sample=False)
+    ids = ids.to(model.device)
     mask = torch.ones_like(ids)
     counter.count = 0
     stats = None
@@ -326,6 +327,8 @@ def main(argv=None):
     ap.add_argument("--pld-sweep", action="store_true")
     ap.add_argument("--report", type=Path, default=None,
                     help="re-render results.md and the plots from an existing results.json, without running")
+    ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's choice)")
     ap.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
@@ -358,7 +361,7 @@ def main(argv=None):
     from tqdm import tqdm
 
     t_load = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     print(f"model loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
     counter = PassCounter(model)
     if args.batch:
@@ -398,7 +401,8 @@ def main(argv=None):
     bar.close()
     meta = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}", "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        f"torch {torch.__version__}, {model.device} {str(model.dtype).removeprefix('torch.')}",
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "mode": "sampling T=0.7" if args.sample else "greedy", "max_new_tokens": args.max_new_tokens,
         "reps": args.reps, "pld_tuned": list(pld), "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -439,7 +443,8 @@ def batch_mode(model, tokenizer, args):
     data = batch.run_batches(model, tokenizer, prompts, sorted(set(args.batch)), args, encode)
     meta = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}", "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        f"torch {torch.__version__}, {model.device} {str(model.dtype).removeprefix('torch.')}",
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "max_new_tokens": args.max_new_tokens, "reps": args.reps, "prompts": max(args.batch),
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]),

@@ -61,6 +61,11 @@ def main():
                                "batching off. Outputs do not depend on it, only speed does.")
 @click.option("--model", "model_name", metavar="NAME_OR_PATH", default=None,
               help="Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct (offline).")
+@click.option("--device", default="auto", show_default=True, metavar="DEVICE",
+              help="Where the model runs: auto (CUDA if available, else the CPU), cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
+              help="Model precision: auto is bf16 on CUDA and fp32 on the CPU. Outputs are token-identical to plain "
+                   "decoding in fp32; in bf16/fp16 they may differ from it at near-ties (see the README).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), metavar="N", default=None,
               help="Token budget per section; a file that needs more is processed in smaller sections. "
                    "Default: 1.5x each section's length + 32.")
@@ -74,8 +79,8 @@ def main():
               help="Also write an HTML trace of the model's work, one block per section: accepted draft tokens "
                    "green, the first rejected one red, the model's own tokens plain. Written when the result "
                    "validated and when it was rejected (to see why).")
-def reformat(files, instruction, to, output, in_place, batch, model_name, max_new_tokens, no_lookup, compare,
-             keep_going, quiet, trace_path):
+def reformat(files, instruction, to, output, in_place, batch, model_name, device, dtype, max_new_tokens, no_lookup,
+             compare, keep_going, quiet, trace_path):
     """Reformat or edit the YAML file FILE with a local model, validating what it writes.
 
     Without --instruction the file is rewritten with consistent formatting, section by section; the result must
@@ -117,7 +122,7 @@ def reformat(files, instruction, to, output, in_place, batch, model_name, max_ne
         if set(targets) & {os.path.realpath(f) for f in files}:
             raise click.UsageError("-o would overwrite an input file; use --in-place to replace inputs")
     options = ReformatOptions(instruction=instruction, to=to, output=output, in_place=in_place, batch=batch,
-                              model=model_name, max_new_tokens=max_new_tokens, lookup=not no_lookup,
+                              model=model_name, device=device, dtype=dtype, max_new_tokens=max_new_tokens, lookup=not no_lookup,
                               compare=compare, keep_going=keep_going, quiet=quiet)
     say = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     trace = Trace(trace_path, files) if trace_path is not None else None

@@ -116,18 +116,62 @@ def gemma3_gguf_path() -> Path:
 _NAMED: dict[str, Callable[[], Path]] = {"smollm2": embedded_gguf_path, "gemma3": gemma3_gguf_path}
 
 
-def load_model(
-    name: str | None = None, *, dtype: torch.dtype = torch.float32, progress: bool = False
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) for `name` (see the module docstring for how it is resolved), on CPU, in eval mode.
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
 
-    `dtype` is the parameter dtype of the returned model; GGUF conversions are cached in float32 and cast on load,
-    so one cache folder serves every dtype. `progress=True` prints short status lines (and transformers' own
-    bars) to stderr; by default the load is silent apart from `logging` warnings.
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"``: CUDA when available, else the CPU; otherwise what ``torch.device`` makes of it. A device this
+    machine lacks raises ModelLoadError (one line), not torch's error from deep inside a load."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ModelLoadError(f"unknown device {device!r}: {_one_line(err)} (try auto, cpu, cuda or cuda:N)") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {str(device)!r}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device {str(device)!r}: MPS is not available on this machine")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """``"auto"``: bfloat16 on CUDA (what models are served in there), float32 elsewhere (a CPU runs fp32 at
+    least as fast, and the exactness tests run in it); a name (``float32``/``fp32``, ``bfloat16``/``bf16``,
+    ``float16``/``fp16``) or a ``torch.dtype`` otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a torch.dtype or one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    name: str | None = None, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+    progress: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) for `name` (see the module docstring for how it is resolved), in eval mode.
+
+    `device`: `"auto"` (CUDA if available, else CPU), `"cpu"`, `"cuda"`, `"cuda:1"`, ... `dtype`: `"auto"`
+    (bfloat16 on CUDA, float32 on CPU), a name such as `"bf16"`, or a `torch.dtype`. GGUF conversions are cached
+    in float32 and cast on load, so one cache folder serves every dtype. `progress=True` prints short status lines
+    (and transformers' own bars) to stderr; by default the load is silent apart from `logging` warnings.
     Raises ModelLoadError, with a one-line message, when the model cannot be loaded.
     """
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype such as torch.float32, not {dtype!r}")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    model, tokenizer = _load(name, dtype, progress)
+    return model.to(device), tokenizer
+
+
+def _load(name: str | None, dtype: torch.dtype, progress: bool):
     name = DEFAULT_MODEL if name is None else os.fspath(name)
     if name in _NAMED:
         return _load_gguf(_NAMED[name](), dtype, progress)

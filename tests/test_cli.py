@@ -31,6 +31,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -114,7 +115,7 @@ class StubEngine:
 def stub(monkeypatch):
     """Install a StubEngine (returned) as the command's model; `stub.answer = ...` changes its answers."""
     engine = StubEngine()
-    monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress: engine)
+    monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress, **where: engine)
     return engine
 
 
@@ -273,6 +274,20 @@ def test_model_that_cannot_be_loaded(here):
     assert result.stderr == "error: cannot load model './missing/model.gguf': no such file\n"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "gpu0"], "error: unknown device 'gpu0': "),
+    (["--dtype", "fp8"], "Invalid value for '--dtype'"),
+] + ([] if torch.cuda.is_available() else [
+    (["--device", "cuda"], "error: device 'cuda': CUDA is not available on this machine (use --device cpu)\n"),
+]))
+def test_a_device_or_dtype_this_machine_lacks_is_a_usage_error(here, flags, message):
+    result = run("reformat", "service.yaml", "-i", "change the port", *flags)
+    assert result.exit_code == 2 and message in result.stderr
+    if message.startswith("error:"):  # ours: one line (click words its own usage errors)
+        assert result.stderr.count("\n") == 1
+    assert (here / "service.yaml").read_text() == SERVICE
+
+
 @pytest.mark.parametrize("flags, progress", [([], True), (["--quiet"], False)])
 def test_model_loading_shows_progress_unless_quiet(here, monkeypatch, flags, progress):
     from lookupdec import models
@@ -285,7 +300,7 @@ def test_model_loading_shows_progress_unless_quiet(here, monkeypatch, flags, pro
 
     monkeypatch.setattr(models, "load_model", load_model)
     result = run("reformat", "service.yaml", "--model", "org/none", *flags)
-    assert calls == [("org/none", {"progress": progress})]
+    assert calls == [("org/none", {"device": "auto", "dtype": "auto", "progress": progress})]
     assert (result.exit_code, result.stderr) == (2, "error: cannot load model 'org/none': not in the local cache\n")
 
 
@@ -530,7 +545,7 @@ def test_real_sigint_during_generation(here):
                 print("generating", file=sys.stderr, flush=True)
                 time.sleep(60)
 
-        run.open_engine = lambda name, progress: Slow()
+        run.open_engine = lambda name, progress, **where: Slow()
         cli.main(["reformat", "service.yaml", "--in-place"])
     """)
     proc = subprocess.Popen([sys.executable, "-c", driver], cwd=here, stdout=subprocess.PIPE,
@@ -793,7 +808,7 @@ def test_batched_sections_keep_file_order_and_retries(here, monkeypatch):
     for batch in ("1", "4"):
         engine = BatchingStub(answer)
         seen.clear()
-        monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress, engine=engine: engine)
+        monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress, engine=engine, **where: engine)
         folder = here / f"out{batch}"
         folder.mkdir()
         result = run("reformat", "service.yaml", "dependabot.yml", "-o", folder.name, "--batch", batch)

