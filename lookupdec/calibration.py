@@ -8,7 +8,7 @@ from 4 rows on as a matrix-matrix product, so a pass with 2 drafted tokens (3 ro
 steps while one with 3 drafted tokens costs about 1.5; with two threads the whole curve is flatter (32 drafted
 tokens: 2.5-3.0 steps instead of 3.7). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
 a pass at every draft length up to 8 and at a few longer ones (interpolated between), on a synthetic context, in
-about 2.5 s for SmolLM2-135M on a 2-core CPU, and keeps the result in ``cache_dir()/costs/`` keyed by everything
+about 2-3 s for SmolLM2-135M on a 2-core CPU, and keeps the result in ``cache_dir()/costs/`` keyed by everything
 that changes it. Batches are measured the same way per batch-size bucket, for drafts of up to ``BATCH_DRAFT``.
 
 :func:`calibrate` hands the profile to a drafter; :func:`lookupdec.generate` does that on its own when
@@ -45,7 +45,7 @@ BATCH_DRAFT = 32  # longest draft length measured for batches: a wide batch pass
 CONTEXT = 256  # tokens of synthetic context the passes run on (the curve barely moves between 300 and 1000)
 ROUNDS = 2  # interleaved timing rounds per length at least; the fastest is kept (interference only adds time)
 MAX_ROUNDS = 6  # ... and at most, while they fit in BUDGET_S
-BUDGET_S = 2.5  # seconds of timed rounds a fast model may spend on more samples (a first call waits for them)
+BUDGET_S = 2.0  # seconds of timed rounds a fast model may spend on more samples (a first call waits for them)
 
 _memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(threads, device, dtype): profile}
 _memo_lock = threading.Lock()  # guards _memo and _key_locks only, never held while measuring
@@ -124,17 +124,20 @@ def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows: int = 1
 
 
 def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows: int = 1, context: int = CONTEXT,
-                       rounds: int = ROUNDS, budget_s: float = BUDGET_S) -> np.ndarray:
+                       rounds: int = ROUNDS, budget_s: float = BUDGET_S, lengths=None) -> np.ndarray:
     """Time target passes of ``rows`` x ``d + 1`` tokens on a ``context``-token cache for ``d`` in :func:`_lengths`, in
-    interleaved rounds after an untimed pass of the shortest and the longest shape (first-call costs: allocation,
-    kernel selection): ``rounds`` of them, or more while they fit in
+    interleaved rounds after the untimed prefill of the context (a first round read no slower than later ones, so
+    no other warm-up is spent): ``rounds`` of them, or more while they fit in
     ``budget_s`` seconds (fast models get more samples), at most ``MAX_ROUNDS``. Keeps each length's fastest time
     (interference from other work only ever adds time), relative to ``d == 0``, interpolated to every ``d = 0 ..
     max_draft``. Uses its own generator: the global RNG is left alone. ``ValueError`` when the model's context
-    cannot hold the passes, or the timings make no sense."""
+    cannot hold the passes, or the timings make no sense. ``lengths``: the draft lengths to time instead of
+    :func:`_lengths` (0 and ``max_draft`` among them), e.g. every one for a study of the whole curve."""
     if max_draft < 1 or rounds < 1:
         raise ValueError(f"need max_draft >= 1 and rounds >= 1, got {max_draft} and {rounds}")
-    lengths = _lengths(max_draft)
+    lengths = _lengths(max_draft) if lengths is None else sorted(set(lengths) | {0, max_draft})
+    if lengths[0] < 0 or lengths[-1] > max_draft:
+        raise ValueError(f"lengths must lie in 0..{max_draft}, got {lengths[0]}..{lengths[-1]}")
     text = model.config.get_text_config()
     limit = getattr(text, "max_position_embeddings", None) or 1 << 30
     if limit < max_draft + 3:
@@ -161,10 +164,6 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows:
         cache = rollback_cache(model)
         target_forward(model, torch.randint(text.vocab_size, (rows, context), generator=generator).to(device),
                        cache, 1, params)
-        for d in (0, max_draft):  # a first call of a shape pays its allocations; min() over rounds absorbs the rest
-            target_forward(model, torch.randint(text.vocab_size, (rows, d + 1), generator=generator).to(device),
-                           cache, d + 1, params)[0, -1, 0].item()
-            cache.crop(-(d + 1))
         spent, done = 0.0, 0
         while done < rounds or (done < MAX_ROUNDS and spent + spent / done <= budget_s):
             spent += one_round(timed=True)
@@ -201,10 +200,10 @@ def profile_key(model) -> str:
 
 def _lengths(max_draft: int) -> list[int]:
     """The draft lengths measured: every one up to 8 (short drafts are the most common, and where a CPU's curve is
-    most jagged), then 12, 16, 24, 32 and every 32nd, and ``max_draft``; the profile interpolates between them.
+    most jagged), then 12, 16, 32 and every 32nd, and ``max_draft``; the profile interpolates between them.
     Pricing drafts with this sparse curve instead of one measured at every length moved simulated speed by 0-2%
     (suite medians, SmolLM2 on a 2-core CPU, docs/design.md), and it measures in a fraction of the time."""
-    lengths = list(range(min(max_draft, 8) + 1)) + [d for d in (12, 16, 24, 32) if d < max_draft]
+    lengths = list(range(min(max_draft, 8) + 1)) + [d for d in (12, 16, 32) if d < max_draft]
     lengths += list(range(64, max_draft, 32))
     if lengths[-1] != max_draft:
         lengths.append(max_draft)

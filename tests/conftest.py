@@ -1,7 +1,69 @@
-"""Shared fixtures: tiny random-weight models of two architectures, and the embedded real model."""
+"""Shared fixtures: tiny random-weight models of two architectures, and the embedded real model.
+
+``LOOKUPDEC_TEST_DEVICE`` (default ``cpu``) and ``LOOKUPDEC_TEST_DTYPE`` (default ``float32``) put the tiny models
+on another device or in another dtype, so the exactness tests run there too::
+
+    LOOKUPDEC_TEST_DEVICE=cuda python -m pytest tests/test_exactness.py tests/test_batch.py tests/test_sampling.py -m "not slow"
+    LOOKUPDEC_TEST_DEVICE=cuda LOOKUPDEC_TEST_DTYPE=bfloat16 python -m pytest tests/test_exactness.py ...
+
+The models are built and seeded on the CPU in fp32 as always, then moved and cast, so every device gets the same
+weights. The tests build their prompts on the CPU: on another device the models' ``generate`` moves its tensor
+arguments to the model and hands its output back on the CPU, so a test reads the same either way. Tests that cannot
+run on another device are skipped there with the reason (``_CPU_ONLY``). In bf16 a greedy comparison may fail at a
+near-tie (a pass of one token and one of many round differently); benchmarks/device_check.py reports bf16 results as
+data, not as a verdict.
+"""
+
+import functools
+import os
 
 import pytest
 import torch
+
+TEST_DEVICE = os.environ.get("LOOKUPDEC_TEST_DEVICE", "cpu")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if os.environ.get("LOOKUPDEC_TEST_DTYPE", "float32") not in _DTYPES:
+    raise pytest.UsageError(f"LOOKUPDEC_TEST_DTYPE must be one of {', '.join(_DTYPES)}, "
+                            f"got {os.environ['LOOKUPDEC_TEST_DTYPE']!r}")
+TEST_DTYPE = _DTYPES[os.environ.get("LOOKUPDEC_TEST_DTYPE", "float32")]
+# Set at all (even to cpu): the models go through the device plumbing below, so a CPU run checks it too.
+SWITCHED = "LOOKUPDEC_TEST_DEVICE" in os.environ or "LOOKUPDEC_TEST_DTYPE" in os.environ
+
+# Tests that cannot run off the CPU, with why (test name without parameters -> reason).
+_CPU_ONLY = {
+    "test_wrong_rule_is_caught_end_to_end": (
+        "its deliberately wrong rule draws with torch.multinomial from the test's CPU generator, which cannot sample "
+        "probabilities on another device (lookupdec's own rule can; the CPU run checks that the wrong rule is caught)"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.device(TEST_DEVICE).type == "cpu":
+        return
+    for item in items:
+        reason = _CPU_ONLY.get(item.originalname if hasattr(item, "originalname") else item.name)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"on {TEST_DEVICE}: {reason}"))
+
+
+def _to_test_device(model):
+    """``model`` moved to the test device and cast to the test dtype; its ``generate`` then takes CPU tensors and
+    returns CPU tensors, as the tests expect. Unchanged when no switch is set."""
+    if not SWITCHED:
+        return model
+    model = model.to(device=TEST_DEVICE, dtype=TEST_DTYPE)
+    plain = model.generate
+
+    @functools.wraps(plain)
+    def generate(*args, **kwargs):
+        device = model.device
+        args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        out = plain(*args, **kwargs)
+        return out.cpu() if isinstance(out, torch.Tensor) else out
+
+    model.generate = generate  # an instance attribute: this model only
+    return model
 
 # One intra-op thread: on a 2-core machine shared with anything else, two OpenMP threads make batched passes tens of
 # times slower (a descheduled thread stalls every barrier), while one thread costs little. Results are compared
@@ -32,7 +94,7 @@ def _tiny(kind: str, vocab_size: int = 96, seed: int = 0, peak: float = 1.0):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(peak)
     model.generation_config.pad_token_id = 2
-    return model.eval()
+    return _to_test_device(model.eval())
 
 
 @pytest.fixture(scope="session", autouse=True)
