@@ -6,7 +6,11 @@ outputs once (cached in ``--out``), then replays each drafter step by step and c
 from a pass-cost model (default: a straight line fitted on a 2-core CPU with the embedded model, ``1`` for a plain
 step and ``1.55 + 0.05 * d`` for ``d`` drafted tokens; ``--measure-cost`` charges what ``lookupdec.calibrate``
 measures on this machine, at every draft length, and calibrates the drafters with it as ``lookupdec.generate``
-does).
+does). Two more curves replay what the drafter would do on hardware we cannot time here, calibrated the same way:
+``--cost-file PATH`` reads one (a JSON list of relative costs by draft length, ``cost[0] == 1``, or a curve of
+``benchmarks/device_check.py``'s ``device_check.json`` named by ``--cost-curve``), and ``--flat-cost SLOPE``
+assumes a GPU-like ``1 + SLOPE * d`` (see :func:`flat_cost`). Past a curve's last length every pass cost grows by
+the slope of its last quarter, as the drafter's own cost model extrapolates.
 
 Every replayed drafter is a :class:`lookupdec.drafter.Drafter` stepped through lookupdec's own propose/commit
 driver (``drafter.propose([session], [limit])``, ``session.commit(tokens)``, ``drafter.observe``), as
@@ -20,6 +24,9 @@ Examples::
     python -m research.simulate --quick
     python -m research.simulate --suites yaml code --per-suite 0
     python -m research.simulate --measure-cost
+    python -m research.simulate --flat-cost 0.002 --out /tmp/sim     # a GPU-like curve (assumed)
+    python -m research.simulate --cost-file /tmp/dc/device_check.json --cost-curve 7B
+    python -m research.simulate --trees --flat-cost 0.002 --trees-out /tmp/ablate/trees_flat.md
     python -m research.simulate --ablate --ablate-out /tmp/ablate/ablation.md
     python -m research.simulate --ablate --measure-cost --ablate-out /tmp/ablate/ablation.md
     python -m research.simulate --trees --trees-out /tmp/ablate/trees.md
@@ -50,13 +57,84 @@ def cpu_cost(d: int) -> float:
 
 
 class MeasuredCost:
-    """The pass cost ``lookupdec.calibrate`` measured on this machine (for this process's torch thread count)."""
+    """A pass-cost curve: ``profile[d]`` is the time of a pass with ``d`` drafted tokens relative to a plain step
+    (``lookupdec.calibrate``'s measurement on this machine, a file's, or an assumed one; ``source`` says which, for
+    the tables' captions). Past the last length the cost grows by the slope of the curve's last quarter, as
+    ``lookupdec.policy.PassCost`` extrapolates a profile (a tree pass can verify more nodes than were measured)."""
 
-    def __init__(self, profile):
+    def __init__(self, profile, source: str = "the pass costs measured on this machine (lookupdec.calibrate)"):
         self.profile = np.asarray(profile, dtype=np.float64)
+        self.source = source
+        last = self.profile.size - 1
+        ref = max(1, last - max(1, last // 4))
+        self._slope = max((self.profile[last] - self.profile[ref]) / (last - ref), 0.0) if last > ref else 0.0
 
     def __call__(self, d: int) -> float:
-        return float(self.profile[min(d, self.profile.size - 1)])
+        last = self.profile.size - 1
+        if d <= last:
+            return float(self.profile[d])
+        return float(self.profile[last] + self._slope * (d - last))
+
+
+# Draft lengths a cost curve must cover: every length the replayed drafters may draft.
+COST_LENGTHS = DrafterConfig().max_draft
+
+
+def flat_cost(slope: float, length: int = 256) -> MeasuredCost:
+    """An assumed GPU-like curve, ``cost(d) = 1 + slope * d``. On a GPU a small model's decoding pass is bound by
+    kernel launches and by reading the weights, not by how many tokens it carries, until that count nears the
+    point where the matrix products become compute-bound (about 200 tokens on an H100/H200 in bf16, from the
+    chip's FLOP-per-byte ratio): a pass verifying a few dozen tokens costs about one plain step. ``slope=0.002``
+    charges 64 drafted tokens 1.13 plain steps. Assumed, not measured: ``benchmarks/device_check.py`` measures the
+    real curve on a GPU (``--cost-file``)."""
+    if not 0 <= slope < 10:
+        raise ValueError(f"--flat-cost SLOPE must be in [0, 10), got {slope}")
+    return MeasuredCost(1.0 + slope * np.arange(length + 1),
+                        source=f"an assumed GPU-like curve, 1 + {slope:g} d (not measured)")
+
+
+def load_cost_file(path: Path, curve: str | None = None) -> MeasuredCost:
+    """The cost curve in ``path``: a JSON list of relative pass costs by draft length (``cost[0] == 1``), or the
+    ``device_check.json`` of ``benchmarks/device_check.py``, whose ``cost_curves[curve]["profile"]`` is used
+    (``curve`` may be left out when the file holds one curve). ``ValueError`` with a one-line reason otherwise."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise ValueError(f"{path} is not JSON: {err}") from None
+    label = f"the curve in {Path(path).name}"
+    if isinstance(data, dict):
+        curves = data.get("cost_curves")
+        if not isinstance(curves, dict) or not curves:
+            raise ValueError(f"{path}: expected a JSON list of costs, or device_check.json with cost_curves")
+        if curve is None and len(curves) == 1:
+            curve = next(iter(curves))
+        if curve not in curves:
+            raise ValueError(f"{path}: name a curve with --cost-curve, one of: {', '.join(curves)}"
+                             if curve is None else
+                             f"{path} has no curve {curve!r}; it has: {', '.join(curves)}")
+        entry = curves[curve]
+        data = entry.get("profile") if isinstance(entry, dict) else None
+        if data is None:
+            raise ValueError(f"{path}: curve {curve!r} was not measured ({(entry or {}).get('error', 'no profile')})")
+        label = (f"the curve of {curve} measured by device_check ({entry.get('device', '?')}, "
+                 f"{entry.get('dtype', '?')})")
+    elif curve is not None:
+        raise ValueError(f"{path} is a plain list of costs: --cost-curve applies to device_check.json only")
+    if not isinstance(data, list) or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                             for c in data):
+        raise ValueError(f"{path}: a cost curve is a JSON list of numbers (relative pass cost by draft length)")
+    profile = np.asarray(data, dtype=np.float64)
+    if profile.size <= COST_LENGTHS:
+        raise ValueError(f"{path}: the curve has {profile.size} costs (draft lengths 0..{profile.size - 1}); the "
+                         f"replay needs 0..{COST_LENGTHS}")
+    if not np.all(np.isfinite(profile)) or profile.min() <= 0:
+        raise ValueError(f"{path}: every cost must be a positive number")
+    if abs(profile[0] - 1.0) > 1e-6:
+        raise ValueError(f"{path}: cost[0] must be 1 (costs are relative to a plain step), got {profile[0]:g}; "
+                         "divide the curve by its first entry")
+    return MeasuredCost(profile, source=label)
 
 
 def replay(drafter: Drafter, prompt: list, answer: list, cost, eos: int, branches: int = 1,
@@ -499,7 +577,7 @@ def study_bounds(prompts, cost, eos, out: Path) -> str:
 def _cost_text(cost) -> str:
     """The cost model ``cost`` charges, in words, for the tables' captions."""
     if isinstance(cost, MeasuredCost):
-        return ("the pass costs measured on this machine (lookupdec.calibrate): "
+        return (f"{cost.source}: "
                 + ", ".join(f"d={d} {cost(d):.2f}" for d in (1, 2, 3, 4, 8, 16, 32, 64) if d < cost.profile.size))
     return "1 per plain step, 1.55 + 0.05 d per pass with d drafted tokens"
 
@@ -511,9 +589,17 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--measure-cost", action="store_true",
-                    help="charge the pass costs lookupdec.calibrate measures on this machine (and calibrate the "
-                         "drafters with them) instead of the fixed straight-line model")
+    curves = ap.add_mutually_exclusive_group()
+    curves.add_argument("--measure-cost", action="store_true",
+                        help="charge the pass costs lookupdec.calibrate measures on this machine (and calibrate the "
+                             "drafters with them) instead of the fixed straight-line model")
+    curves.add_argument("--cost-file", type=Path, default=None, metavar="PATH",
+                        help="charge (and calibrate with) the curve in PATH: a JSON list of relative pass costs by "
+                             "draft length, cost[0] == 1, or benchmarks/device_check.py's device_check.json")
+    curves.add_argument("--flat-cost", type=float, default=None, metavar="SLOPE",
+                        help="charge (and calibrate with) an assumed GPU-like curve, 1 + SLOPE * d (e.g. 0.002)")
+    ap.add_argument("--cost-curve", default=None, metavar="NAME",
+                    help="with --cost-file device_check.json: which model's curve (e.g. 7B)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads while measuring the pass cost")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--ablate", action="store_true",
@@ -526,13 +612,26 @@ def main(argv=None):
                     help="where the gap to the oracle comes from: hindsight bounds for copying drafters; replays "
                          "cached greedy outputs only")
     ap.add_argument("--bounds-out", type=Path, default=Path("benchmarks/results/bounds.md"))
+    ap.add_argument("--summary-out", type=Path, default=Path("benchmarks/results/simulate.md"),
+                    help="where a plain replay writes its per-suite table")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_suite = 2
+    if args.cost_curve is not None and args.cost_file is None:
+        ap.error("--cost-curve needs --cost-file")
+    cost = cpu_cost
+    try:
+        if args.cost_file is not None:
+            cost = load_cost_file(args.cost_file, args.cost_curve)
+        elif args.flat_cost is not None:
+            cost = flat_cost(args.flat_cost)
+    except ValueError as err:
+        ap.error(f"--cost-file / --flat-cost: {err}")
+    if isinstance(cost, MeasuredCost):
+        print(f"relative pass cost ({cost.source}):", np.round(cost.profile[: COST_LENGTHS + 1], 3).tolist())
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    cost = cpu_cost
     if args.measure_cost:
         cost = MeasuredCost(pass_costs(model, 128))
         print("measured relative pass cost (lookupdec.calibrate):",
@@ -585,11 +684,33 @@ def main(argv=None):
         rows.append(row)
         print(f"{key:28s} " + " ".join(f"{n} {row[n]:.2f} ({row[f'tpp_{n}']:.1f})" for n in systems))
     print()
-    for suite in dict.fromkeys(r["suite"] for r in rows):
-        items = [r for r in rows if r["suite"] == suite]
-        med = {n: statistics.median(r[n] for r in items) for n in ("pld", "pld_20_3", "lookupdec", "fixed32", "oracle")}
-        print(f"{suite:8s} " + " ".join(f"{n} {v:.2f}" for n, v in med.items()) +
-              f"  lookupdec/pld {med['lookupdec'] / med['pld']:.2f}  of oracle {med['lookupdec'] / med['oracle']:.0%}")
+    table = summarize_replay(rows, cost)
+    args.summary_out.parent.mkdir(parents=True, exist_ok=True)
+    args.summary_out.write_text(table)
+    print(table)
+
+
+def summarize_replay(rows: list, cost) -> str:
+    """Markdown table of a plain replay's ``rows`` (one per prompt: speedup over greedy per system, tokens per
+    pass): per suite, the pooled copy-heavy suites and all prompts, medians over prompts; ``vs pld`` and ``of
+    oracle`` are per-prompt ratios, then the median, as benchmarks/run.py reports them."""
+    suites = list(dict.fromkeys(r["suite"] for r in rows))
+    groups = {s: [r for r in rows if r["suite"] == s] for s in suites}
+    if all(s in suites for s in COPY_HEAVY):
+        groups[" + ".join(COPY_HEAVY)] = [r for r in rows if r["suite"] in COPY_HEAVY]
+    groups["all"] = rows
+    lines = [f"Simulated (cost model: {_cost_text(cost)}), replaying cached greedy outputs of {len(rows)} prompts; "
+             "medians over each group's prompts; `x` = speedup over greedy.", "",
+             "| group | prompts | prompt lookup (10) x | prompt lookup (20, 3-grams) x | lookupdec x | oracle x "
+             "| lookupdec vs prompt lookup (10) | of oracle | lookupdec tok/pass |", "|---" * 9 + "|"]
+    for name, items in groups.items():
+        med = {n: statistics.median(r[n] for r in items) for n in ("pld", "pld_20_3", "lookupdec", "oracle")}
+        vs = statistics.median(r["lookupdec"] / r["pld"] for r in items)
+        share = statistics.median(r["lookupdec"] / r["oracle"] for r in items)
+        tpp = statistics.median(r["tpp_lookupdec"] for r in items)
+        lines.append(f"| {name} | {len(items)} | {med['pld']:.2f} | {med['pld_20_3']:.2f} | {med['lookupdec']:.2f} "
+                     f"| {med['oracle']:.2f} | {vs:.2f} | {share:.0%} | {tpp:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ oracle comes from rests on them, so they are checked against brute force on smal
 summary of benchmarks/run.py that the issue targets are read from."""
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -151,3 +152,83 @@ def test_run_summary_pools_the_copy_heavy_suites():
     assert "| yaml + code | 3 | 2.00 | 4.00 | 2.00 | 2.00 | - | 1.00 |" in table  # pld, ours, hf: x greedy
     _, alone = run.summarize(records[:2], systems)
     assert [r["suite"] for r in alone] == ["yaml"]  # no pooled row without both suites
+
+
+# ---- cost curves from a file, or assumed (--cost-file, --flat-cost) -----------------------------------------
+
+
+def test_flat_cost_is_the_curve_it_says():
+    cost = simulate.flat_cost(0.002)
+    assert cost(0) == 1.0
+    assert cost(1) == pytest.approx(1.002) and cost(64) == pytest.approx(1.128)
+    assert cost(400) == pytest.approx(1.8)  # past the curve's end: the same straight line
+    assert "assumed" in simulate._cost_text(cost) and "d=64 1.13" in simulate._cost_text(cost)
+    with pytest.raises(ValueError, match="SLOPE"):
+        simulate.flat_cost(-0.1)
+
+
+def test_measured_curves_extrapolate_like_the_drafter():
+    # A tree pass can verify more nodes than a curve covers: past its end the cost grows by the slope of its last
+    # quarter, as lookupdec's PassCost extrapolates a profile, instead of staying at the last value.
+    from lookupdec.policy import PassCost
+
+    profile = [1.0, 1.6, 2.0, 1.5, 1.7, 1.9, 2.1, 2.3, 2.5]
+    cost = simulate.MeasuredCost(profile)
+    model = PassCost()
+    model.use_profile(profile)
+    assert [cost(d) for d in range(20)] == pytest.approx(model.costs(19).tolist())
+    assert cost(12) == pytest.approx(2.5 + 4 * 0.2)
+
+
+def _write(path, data):
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_cost_file_gives_the_curve_in_it(tmp_path):
+    curve = [1.0] + [1.0 + 0.01 * d for d in range(1, 129)]
+    cost = simulate.load_cost_file(_write(tmp_path / "list.json", curve))
+    assert [cost(d) for d in range(129)] == pytest.approx(curve)
+    assert "list.json" in simulate._cost_text(cost)
+    # The device check's json: the curve of the named model, its device and dtype in the caption.
+    report = {"cost_curves": {"0.5B": {"profile": curve, "device": "cuda:0", "dtype": "bfloat16"},
+                              "7B": {"profile": [1.0] + [2.0] * 128, "device": "cuda:0", "dtype": "bfloat16"},
+                              "1.5B": {"error": "OutOfMemoryError: ..."}}}
+    path = _write(tmp_path / "device_check.json", report)
+    seven = simulate.load_cost_file(path, "7B")
+    assert seven(0) == 1.0 and seven(5) == 2.0 and seven.profile.size == 129
+    assert "7B measured by device_check (cuda:0, bfloat16)" in simulate._cost_text(seven)
+    one = _write(tmp_path / "one.json", {"cost_curves": {"0.5B": report["cost_curves"]["0.5B"]}})
+    assert simulate.load_cost_file(one)(10) == pytest.approx(1.1)  # one curve: no name needed
+
+
+@pytest.mark.parametrize("data, curve, message", [
+    ("[1.0, 1.2", None, "is not JSON"),
+    ({"a": 1}, None, "expected a JSON list of costs, or device_check.json"),
+    ([1.0, "x"] + [1.0] * 70, None, "a JSON list of numbers"),
+    ([1.0] * 10, None, r"the curve has 10 costs \(draft lengths 0..9\); the replay needs 0..64"),
+    ([2.0] + [3.0] * 70, None, "cost\\[0\\] must be 1 .* got 2"),
+    ([1.0, -1.0] + [1.0] * 70, None, "every cost must be a positive number"),
+    ([1.0] * 70, "7B", "--cost-curve applies to device_check.json only"),
+    ({"cost_curves": {"7B": {"profile": [1.0] * 70}, "0.5B": {"profile": [1.0] * 70}}}, None,
+     "name a curve with --cost-curve, one of: 7B, 0.5B"),
+    ({"cost_curves": {"7B": {"profile": [1.0] * 70}}}, "3B", "has no curve '3B'; it has: 7B"),
+    ({"cost_curves": {"7B": {"error": "OutOfMemoryError"}}}, "7B", "curve '7B' was not measured \\(OutOfMemoryError"),
+])
+def test_bad_cost_files_say_what_is_wrong(tmp_path, data, curve, message):
+    with pytest.raises(ValueError, match=message):
+        simulate.load_cost_file(_write(tmp_path / "costs.json", data), curve)
+
+
+def test_cost_options_on_the_command_line(tmp_path, capsys):
+    # A bad file stops the script before the model loads, with one line naming the option and the reason.
+    with pytest.raises(SystemExit) as stop:
+        simulate.main(["--cost-file", str(tmp_path / "missing.json")])
+    assert stop.value.code == 2
+    assert "--cost-file / --flat-cost: cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        simulate.main(["--cost-curve", "7B"])
+    assert "--cost-curve needs --cost-file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        simulate.main(["--flat-cost", "0.002", "--measure-cost"])
+    assert "not allowed with argument" in capsys.readouterr().err
