@@ -8,7 +8,7 @@ from 4 rows on as a matrix-matrix product, so a pass with 2 drafted tokens (3 ro
 steps while one with 3 drafted tokens costs about 1.5; with two threads the whole curve is flatter (32 drafted
 tokens: 2.5-3.0 steps instead of 3.7). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
 a pass at every draft length up to 8 and at a few longer ones (interpolated between), on a synthetic context, in
-about 2-3 s for SmolLM2-135M on a 2-core CPU, and keeps the result in ``cache_dir()/costs/`` keyed by everything
+about 3.5 s for SmolLM2-135M on a 2-core CPU, one thread, and keeps the result in ``cache_dir()/costs/`` keyed by everything
 that changes it. Batches are measured the same way per batch-size bucket, for drafts of up to ``BATCH_DRAFT``.
 
 :func:`calibrate` hands the profile to a drafter; :func:`lookupdec.generate` does that on its own when
@@ -43,8 +43,9 @@ _log = logging.getLogger(__name__)
 PROFILE_VERSION = 2  # bump when the measurement changes meaning; old files are then measured again
 BATCH_DRAFT = 32  # longest draft length measured for batches: a wide batch pass is costly, so batches draft short
 CONTEXT = 256  # tokens of synthetic context the passes run on (the curve barely moves between 300 and 1000)
-ROUNDS = 2  # interleaved timing rounds per length at least; the fastest is kept (interference only adds time)
-MAX_ROUNDS = 6  # ... and at most, while they fit in BUDGET_S
+ROUNDS = 1  # timing rounds over every measured length at least; the fastest is kept (interference only adds time)
+SHORT = 8  # lengths up to this one get at least one more round: the curve is jagged there, and passes are cheap
+MAX_ROUNDS = 6  # rounds per length at most, while they fit in BUDGET_S
 BUDGET_S = 2.0  # seconds of timed rounds a fast model may spend on more samples (a first call waits for them)
 
 _memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(threads, device, dtype): profile}
@@ -127,8 +128,10 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows:
                        rounds: int = ROUNDS, budget_s: float = BUDGET_S, lengths=None) -> np.ndarray:
     """Time target passes of ``rows`` x ``d + 1`` tokens on a ``context``-token cache for ``d`` in :func:`_lengths`, in
     interleaved rounds after the untimed prefill of the context (a first round read no slower than later ones, so
-    no other warm-up is spent): ``rounds`` of them, or more while they fit in
-    ``budget_s`` seconds (fast models get more samples), at most ``MAX_ROUNDS``. Keeps each length's fastest time
+    no other warm-up is spent): ``rounds`` over every length, then rounds over the short lengths (up to ``SHORT``,
+    where the curve is jagged and a pass is cheap) until those have had ``rounds + 1``, then more full rounds
+    while they fit in ``budget_s`` seconds (fast models get more samples), at most ``MAX_ROUNDS``. Keeps each
+    length's fastest time
     (interference from other work only ever adds time), relative to ``d == 0``, interpolated to every ``d = 0 ..
     max_draft``. Uses its own generator: the global RNG is left alone. ``ValueError`` when the model's context
     cannot hold the passes, or the timings make no sense. ``lengths``: the draft lengths to time instead of
@@ -148,15 +151,14 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows:
     params = forward_params(model)
     times = {d: [] for d in lengths}
 
-    def one_round(timed: bool) -> float:
+    def one_round(chosen) -> float:
         started = time.perf_counter()
-        for d in lengths:
+        for d in chosen:
             feed = torch.randint(text.vocab_size, (rows, d + 1), generator=generator).to(device)
             start = time.perf_counter()
             # .item() waits for the pass on any device (CUDA, MPS, XPU, a model split over several GPUs).
             target_forward(model, feed, cache, d + 1, params)[0, -1, 0].item()
-            if timed:
-                times[d].append(time.perf_counter() - start)
+            times[d].append(time.perf_counter() - start)
             cache.crop(-(d + 1))
         return time.perf_counter() - started
 
@@ -166,8 +168,11 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows:
                        cache, 1, params)
         spent, done = 0.0, 0
         while done < rounds or (done < MAX_ROUNDS and spent + spent / done <= budget_s):
-            spent += one_round(timed=True)
+            spent += one_round(lengths)
             done += 1
+        short = [d for d in lengths if d <= SHORT]
+        while len(times[0]) < rounds + 1 and len(times[0]) < MAX_ROUNDS:
+            one_round(short)
     fastest = np.array([min(times[d]) for d in lengths])
     if not np.all(np.isfinite(fastest)) or fastest.min() <= 0:
         raise ValueError(f"pass timings make no sense: {fastest.tolist()}")
@@ -203,7 +208,7 @@ def _lengths(max_draft: int) -> list[int]:
     most jagged), then 12, 16, 32 and every 32nd, and ``max_draft``; the profile interpolates between them.
     Pricing drafts with this sparse curve instead of one measured at every length moved simulated speed by 0-2%
     (suite medians, SmolLM2 on a 2-core CPU, docs/design.md), and it measures in a fraction of the time."""
-    lengths = list(range(min(max_draft, 8) + 1)) + [d for d in (12, 16, 32) if d < max_draft]
+    lengths = list(range(min(max_draft, SHORT) + 1)) + [d for d in (12, 16, 32) if d < max_draft]
     lengths += list(range(64, max_draft, 32))
     if lengths[-1] != max_draft:
         lengths.append(max_draft)

@@ -31,9 +31,9 @@ def test_measured_profile_is_relative_to_a_plain_step_and_leaves_the_global_rng_
 
 def test_lengths_are_dense_for_short_drafts_and_sparse_beyond():
     assert cal._lengths(5) == [0, 1, 2, 3, 4, 5]
-    assert cal._lengths(32) == list(range(9)) + [12, 16, 24, 32]
-    assert cal._lengths(30) == list(range(9)) + [12, 16, 24, 30]
-    assert cal._lengths(64) == list(range(9)) + [12, 16, 24, 32, 64]
+    assert cal._lengths(32) == list(range(9)) + [12, 16, 32]
+    assert cal._lengths(30) == list(range(9)) + [12, 16, 30]
+    assert cal._lengths(64) == list(range(9)) + [12, 16, 32, 64]
     assert cal._lengths(100)[-3:] == [64, 96, 100]
 
 
