@@ -8,8 +8,8 @@ from 4 rows on as a matrix-matrix product, so a pass with 2 drafted tokens (3 ro
 steps while one with 3 drafted tokens costs about 1.5; with two threads the whole curve is flatter (32 drafted
 tokens: 2.5-3.0 steps instead of 3.7). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
 a pass at every draft length up to 8 and at a few longer ones (interpolated between), on a synthetic context, in
-about 3.5 s for SmolLM2-135M on a 2-core CPU, one thread, and keeps the result in ``cache_dir()/costs/`` keyed by everything
-that changes it. Batches are measured the same way per batch-size bucket, for drafts of up to ``BATCH_DRAFT``.
+about 3.5 s for SmolLM2-135M on a 2-core CPU, one thread, and keeps the result in ``cache_dir()/costs/`` keyed by
+everything that changes it. Batches are measured the same way per batch-size bucket, for drafts of up to ``BATCH_DRAFT``.
 
 :func:`calibrate` hands the profile to a drafter; :func:`lookupdec.generate` does that on its own when
 ``DrafterConfig.calibrate`` is set (the default). For the transformers route call it yourself::
