@@ -40,7 +40,7 @@ from .drafter import Drafter, DrafterConfig
 
 _log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2  # bump when the measurement changes meaning; old files are then measured again
+PROFILE_VERSION = 3  # bump when the measurement changes (3: sparse lengths, 1-2 rounds); old files are measured again
 BATCH_DRAFT = 32  # longest draft length measured for batches: a wide batch pass is costly, so batches draft short
 CONTEXT = 256  # tokens of synthetic context the passes run on (the curve barely moves between 300 and 1000)
 ROUNDS = 1  # timing rounds over every measured length at least; the fastest is kept (interference only adds time)
