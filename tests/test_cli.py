@@ -531,9 +531,12 @@ def test_ctrl_c_during_generation(here, stub):
 def test_real_sigint_during_generation(here):
     # A real Ctrl-C (SIGINT) in a separate process, with a stub engine that blocks in generation.
     driver = textwrap.dedent("""
-        import sys, time
+        import signal, sys, time
         from lookupdec import cli
         from lookupdec.reformat import run
+
+        # Ctrl-C as in a terminal: a shell starts background jobs with SIGINT ignored, and a child inherits that.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         class Slow:
             context = 2048
