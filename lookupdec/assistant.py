@@ -150,14 +150,13 @@ def _assistant_generate(
         # An O(length) memcmp per step: microseconds, and it is what tells a new request from the next step.
         and np.array_equal(seq[: len(prev)], prev)
     )
-    eos = _eos_ids(generation_config)
     if continues:
         seconds = now - state.last_call if state.last_call is not None else None
         state.session.commit(seq[len(prev):], seconds)
     else:
         if state.session is not None:
             state.session.finish()
-        state.session = drafter.start(seq, eos_ids=eos)
+        state.session = drafter.start(seq, eos_ids=_eos_ids(generation_config))
     state.sequence = seq
     do_sample = bool(generation_config is not None and generation_config.do_sample)
     if do_sample:

@@ -122,8 +122,8 @@ def reformat(files, instruction, to, output, in_place, batch, model_name, device
         if set(targets) & {os.path.realpath(f) for f in files}:
             raise click.UsageError("-o would overwrite an input file; use --in-place to replace inputs")
     options = ReformatOptions(instruction=instruction, to=to, output=output, in_place=in_place, batch=batch,
-                              model=model_name, device=device, dtype=dtype, max_new_tokens=max_new_tokens, lookup=not no_lookup,
-                              compare=compare, keep_going=keep_going, quiet=quiet)
+                              model=model_name, device=device, dtype=dtype, max_new_tokens=max_new_tokens,
+                              lookup=not no_lookup, compare=compare, keep_going=keep_going, quiet=quiet)
     say = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     trace = Trace(trace_path, files) if trace_path is not None else None
     try:

@@ -211,10 +211,10 @@ class Drafter:
         if not cfg.adaptive or longest == 0:
             return longest
         margin = cfg.margin(must_draft)
+        costs = self.batch_cost(len(offers)).costs(longest)
         if len(offers) == 1:
-            offer = offers[0]
-            return best_draft_length(offer.first, offer.then, self.cost.costs(longest), margin=margin)
-        return best_batch_length(offers, self.batch_cost(len(offers)).costs(longest), margin=margin)
+            return best_draft_length(offers[0].first, offers[0].then, costs, margin=margin)
+        return best_batch_length(offers, costs, margin=margin)
 
     def observe(self, rows: int, drafted: int, seconds: float) -> None:
         """Feed the cost fit: a pass over ``rows`` rows, ``drafted`` positions wide beyond each row's last token,
@@ -248,22 +248,6 @@ class DraftSession:
         self._pending: tuple = (None, -1, EMPTY)  # (bucket, src, draft) of the proposal awaiting commit
         self._offered: tuple = (None, -1, EMPTY)  # (bucket, src, candidate) of the last offer
         self._finished = False
-
-    @property
-    def cursor(self) -> int:
-        """Where in :attr:`index`'s buffer the next token is expected when the output is following a copy (the
-        alignment cursor), else -1."""
-        return self._cursor
-
-    @property
-    def offered_bucket(self) -> tuple | None:
-        """The source bucket (``("cursor" | "index" | "cache", n)``) of the last :meth:`offer`, or None."""
-        return self._offered[0]
-
-    @property
-    def pending(self) -> np.ndarray:
-        """The draft awaiting verification (int32, possibly empty)."""
-        return self._pending[2]
 
     def propose(self, limit: int, *, must_draft: bool = False) -> np.ndarray:
         """This request's next draft, alone in its pass: ``drafter.propose([self], [limit])[0]``."""

@@ -25,9 +25,15 @@ import numpy as np
 import torch
 
 from ._device import host_buffer, input_device, synchronize
-from ._transformers import Resolved, forward_params, resolve_generation, rollback_cache, target_forward
-from .calibration import calibrate_or_warn
+from ._transformers import (
+    Resolved,
+    forward_params,
+    resolve_generation,
+    rollback_cache,
+    target_forward,
+)
 from .batch import generate_batch
+from .calibration import calibrate_or_warn
 from .drafter import Drafter
 from .stats import GenerationStats, LookupOutput
 from .verify import verify_greedy, verify_sample
