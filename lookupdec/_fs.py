@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -31,21 +31,15 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "lookupdec"
 
 
-def _umask() -> int:
-    # os.umask can only be read by setting it; set it straight back (a few microseconds, once per write).
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, *, binary: bool = False, backup: bool = False) -> Iterator[IO]:
     """``with atomic_write(path) as f: f.write(...)`` replaces ``path`` only when the block ends without error.
 
     The temporary file lives in ``path``'s folder, so ``os.replace`` is a rename on one filesystem (atomic), never a
     copy; its data is fsynced before the rename, or a crash could leave an empty file under the real name. The new
-    file keeps the mode of the file it replaces, else gets the mode a plain ``open`` would give it (``mkstemp``
-    alone would make it private). ``backup``: the old file is first copied, atomically too, to ``path.bak``.
+    file keeps the mode of the file it replaces, else gets the mode a plain ``open`` would give it: the temporary
+    file is created 0o666 less the umask, which the kernel applies (``mkstemp`` would make it private, and reading
+    the umask means setting it, which races other threads). ``backup``: the old file is first copied, atomically too, to ``path.bak``.
     Text is written as UTF-8 with newlines untranslated. The folder must exist.
     """
     path = Path(path)
@@ -53,8 +47,13 @@ def atomic_write(path: str | os.PathLike, *, binary: bool = False, backup: bool 
     temps: list[str] = []
 
     def temp() -> str:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        os.close(fd)
+        while True:
+            name = os.path.join(folder, f".{path.name}.{secrets.token_hex(4)}.tmp")
+            try:
+                os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                break
+            except FileExistsError:
+                continue
         temps.append(name)
         return name
 
@@ -68,7 +67,8 @@ def atomic_write(path: str | os.PathLike, *, binary: bool = False, backup: bool 
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(new, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
+        if path.exists():
+            shutil.copymode(path, new)
         os.replace(new, path)
     finally:
         for name in temps:
