@@ -9,7 +9,8 @@ steps while one with 3 drafted tokens costs about 1.5; with two threads the whol
 tokens: 2.5-3.0 steps instead of 3.7). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
 a pass at every draft length up to 8 and at a few longer ones (interpolated between), on a synthetic context, in
 about 3.5 s for SmolLM2-135M on a 2-core CPU, one thread, and keeps the result in ``cache_dir()/costs/`` keyed by
-everything that changes it. Batches are measured the same way per batch-size bucket, for drafts of up to ``BATCH_DRAFT``.
+everything that changes it. Batches are measured the same way per batch-size bucket, for drafts of up to
+``BATCH_DRAFT``.
 
 :func:`calibrate` hands the profile to a drafter; :func:`lookupdec.generate` does that on its own when
 ``DrafterConfig.calibrate`` is set (the default). For the transformers route call it yourself::
@@ -126,12 +127,11 @@ def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows: int = 1
 
 def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows: int = 1, context: int = CONTEXT,
                        rounds: int = ROUNDS, budget_s: float = BUDGET_S, lengths=None) -> np.ndarray:
-    """Time target passes of ``rows`` x ``d + 1`` tokens on a ``context``-token cache for ``d`` in :func:`_lengths`, in
-    interleaved rounds after the untimed prefill of the context (a first round read no slower than later ones, so
-    no other warm-up is spent): ``rounds`` over every length, then rounds over the short lengths (up to ``SHORT``,
-    where the curve is jagged and a pass is cheap) until those have had ``rounds + 1``, then more full rounds
-    while they fit in ``budget_s`` seconds (fast models get more samples), at most ``MAX_ROUNDS``. Keeps each
-    length's fastest time
+    """Time target passes of ``rows`` x ``d + 1`` tokens on a ``context``-token cache for ``d`` in :func:`_lengths`,
+    in interleaved rounds after the untimed prefill of the context (a first round read no slower than later ones,
+    so no other warm-up is spent): ``rounds`` over every length, more while they fit in ``budget_s`` seconds (fast
+    models get more samples, at most ``MAX_ROUNDS``), then rounds over the short lengths (up to ``SHORT``, where
+    the curve is jagged and a pass is cheap) until those have had ``rounds + 1``. Keeps each length's fastest time
     (interference from other work only ever adds time), relative to ``d == 0``, interpolated to every ``d = 0 ..
     max_draft``. Uses its own generator: the global RNG is left alone. ``ValueError`` when the model's context
     cannot hold the passes, or the timings make no sense. ``lengths``: the draft lengths to time instead of
@@ -207,7 +207,8 @@ def _lengths(max_draft: int) -> list[int]:
     """The draft lengths measured: every one up to 8 (short drafts are the most common, and where a CPU's curve is
     most jagged), then 12, 16, 32 and every 32nd, and ``max_draft``; the profile interpolates between them.
     Pricing drafts with this sparse curve instead of one measured at every length moved simulated speed by 0-2%
-    (suite medians, SmolLM2 on a 2-core CPU, docs/design.md), and it measures in a fraction of the time."""
+    (suite medians, SmolLM2 on a 2-core CPU; docs/design.md, "Calibration"), and it measures in a fraction of the
+    time."""
     lengths = list(range(min(max_draft, SHORT) + 1)) + [d for d in (12, 16, 32) if d < max_draft]
     lengths += list(range(64, max_draft, 32))
     if lengths[-1] != max_draft:
