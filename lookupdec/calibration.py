@@ -7,8 +7,8 @@ far from a straight line: MKL runs matrix products with 2 or 3 rows as that many
 from 4 rows on as a matrix-matrix product, so a pass with 2 drafted tokens (3 rows fed) costs about 2.0 plain
 steps while one with 3 drafted tokens costs about 1.5; with two threads the whole curve is flatter (32 drafted
 tokens: 2.5-3.0 steps instead of 3.7). A straight-line fit cannot see that, so :func:`pass_costs` measures the time of
-a pass at every draft length up to 8 and at a few longer ones (interpolated between), on a synthetic context, in
-about 3.5 s for SmolLM2-135M on a 2-core CPU, one thread, and keeps the result in ``cache_dir()/costs/`` keyed by
+a pass at every draft length up to 4 and at a few longer ones (interpolated between), on a synthetic context, in
+2.1-2.4 s for SmolLM2-135M on a 2-core CPU, one thread, and keeps the result in ``cache_dir()/costs/`` keyed by
 everything that changes it. Batches are measured the same way per batch-size bucket, for drafts of up to
 ``BATCH_DRAFT``.
 
@@ -41,13 +41,13 @@ from .drafter import Drafter, DrafterConfig
 
 _log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 3  # bump when the measurement changes (3: sparse lengths, 1-2 rounds); old files are measured again
+PROFILE_VERSION = 4  # bump when the measurement changes (4: 64-token context, fewer lengths); old files are measured again
 BATCH_DRAFT = 32  # longest draft length measured for batches: a wide batch pass is costly, so batches draft short
-CONTEXT = 256  # tokens of synthetic context the passes run on (the curve barely moves between 300 and 1000)
+CONTEXT = 64  # tokens of synthetic context the passes run on (docs/design.md, "Calibration": the curve barely moves)
 ROUNDS = 1  # timing rounds over every measured length at least; the fastest is kept (interference only adds time)
-SHORT = 8  # lengths up to this one get at least one more round: the curve is jagged there, and passes are cheap
+SHORT = 3  # lengths up to this one get at least one more round: the curve is jagged there, and passes are cheap
 MAX_ROUNDS = 6  # rounds per length at most, while they fit in BUDGET_S
-BUDGET_S = 2.0  # seconds of timed rounds a fast model may spend on more samples (a first call waits for them)
+BUDGET_S = 1.0  # seconds of timed rounds a fast model may spend on more samples (a first call waits for them)
 
 _memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(threads, device, dtype): profile}
 _memo_lock = threading.Lock()  # guards _memo and _key_locks only, never held while measuring
@@ -132,7 +132,8 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows:
     so no other warm-up is spent): ``rounds`` over every length, more while they fit in ``budget_s`` seconds (fast
     models get more samples, at most ``MAX_ROUNDS``), then rounds over the short lengths (up to ``SHORT``, where
     the curve is jagged and a pass is cheap) until those have had ``rounds + 1``. Keeps each length's fastest time
-    (interference from other work only ever adds time), relative to ``d == 0``, interpolated to every ``d = 0 ..
+    (interference from other work only ever adds time), past ``SHORT`` no dearer than a longer length's,
+    relative to ``d == 0``, interpolated to every ``d = 0 ..
     max_draft``. Uses its own generator: the global RNG is left alone. ``ValueError`` when the model's context
     cannot hold the passes, or the timings make no sense. ``lengths``: the draft lengths to time instead of
     :func:`_lengths` (0 and ``max_draft`` among them), e.g. every one for a study of the whole curve."""
@@ -170,10 +171,10 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows:
         while done < rounds or (done < MAX_ROUNDS and spent + spent / done <= budget_s):
             spent += one_round(lengths)
             done += 1
-        short = [d for d in lengths if d <= SHORT]
-        while len(times[0]) < rounds + 1 and len(times[0]) < MAX_ROUNDS:
+        short = [d for d in lengths if d <= SHORT] + [0]
+        while len(times[1]) < rounds + 1 and len(times[1]) < MAX_ROUNDS:
             one_round(short)
-    fastest = np.array([min(times[d]) for d in lengths])
+    fastest = _capped(lengths, np.array([min(times[d]) for d in lengths]))
     if not np.all(np.isfinite(fastest)) or fastest.min() <= 0:
         raise ValueError(f"pass timings make no sense: {fastest.tolist()}")
     return np.interp(np.arange(max_draft + 1), lengths, fastest / fastest[0])
@@ -204,16 +205,25 @@ def profile_key(model) -> str:
 
 
 def _lengths(max_draft: int) -> list[int]:
-    """The draft lengths measured: every one up to 8 (short drafts are the most common, and where a CPU's curve is
-    most jagged), then 12, 16, 32 and every 32nd, and ``max_draft``; the profile interpolates between them.
-    Pricing drafts with this sparse curve instead of one measured at every length moved simulated speed by 0-2%
-    (suite medians, SmolLM2 on a 2-core CPU; docs/design.md, "Calibration"), and it measures in a fraction of the
-    time."""
-    lengths = list(range(min(max_draft, SHORT) + 1)) + [d for d in (12, 16, 32) if d < max_draft]
+    """The draft lengths measured: every one up to ``SHORT`` (the most common drafts, and where a CPU's curve is
+    jagged), then 4, 8, 16, 32 and every 32nd, and ``max_draft``; the profile interpolates between them. Pricing
+    drafts with profiles measured this way instead of a dense, many-round curve moved simulated speed by a few
+    percent at most (suite medians, SmolLM2 on a 2-core CPU; docs/design.md, "Calibration")."""
+    lengths = list(range(min(max_draft, SHORT) + 1)) + [d for d in (4, 8, 16, 32) if SHORT < d < max_draft]
     lengths += list(range(64, max_draft, 32))
     if lengths[-1] != max_draft:
         lengths.append(max_draft)
     return lengths
+
+
+def _capped(lengths: list[int], fastest: np.ndarray) -> np.ndarray:
+    """``fastest`` with each time past ``SHORT`` lowered to the cheapest time of any longer length: a pass over
+    more positions does not run faster there (the jagged part of a CPU's curve lies below), so a length that
+    reads dearer than a longer one caught interference in its single round."""
+    fastest = np.array(fastest, dtype=np.float64)
+    tail = int(np.searchsorted(lengths, SHORT, side="right"))
+    fastest[tail:] = np.minimum.accumulate(fastest[tail:][::-1])[::-1]
+    return fastest
 
 
 @functools.lru_cache(maxsize=1)

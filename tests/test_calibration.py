@@ -30,11 +30,21 @@ def test_measured_profile_is_relative_to_a_plain_step_and_leaves_the_global_rng_
 
 
 def test_lengths_are_dense_for_short_drafts_and_sparse_beyond():
+    assert cal._lengths(3) == [0, 1, 2, 3]
     assert cal._lengths(5) == [0, 1, 2, 3, 4, 5]
-    assert cal._lengths(32) == list(range(9)) + [12, 16, 32]
-    assert cal._lengths(30) == list(range(9)) + [12, 16, 30]
-    assert cal._lengths(64) == list(range(9)) + [12, 16, 32, 64]
+    assert cal._lengths(32) == [0, 1, 2, 3, 4, 8, 16, 32]
+    assert cal._lengths(30) == [0, 1, 2, 3, 4, 8, 16, 30]
+    assert cal._lengths(64) == [0, 1, 2, 3, 4, 8, 16, 32, 64]
     assert cal._lengths(100)[-3:] == [64, 96, 100]
+
+
+def test_a_length_past_the_jagged_part_is_capped_by_the_longer_ones():
+    # Up to SHORT the curve may fall (a CPU's 3-row product can be cheaper than its 2-row one): kept as measured.
+    # Past it, a time dearer than a longer length's caught interference in its one round: lowered to that time.
+    lengths = [0, 1, 2, 3, 4, 8, 16, 32]
+    assert cal.SHORT == 3
+    got = cal._capped(lengths, np.array([1.0, 1.8, 2.0, 1.4, 2.9, 1.9, 2.2, 3.0]))
+    assert got.tolist() == [1.0, 1.8, 2.0, 1.4, 1.9, 1.9, 2.2, 3.0]
 
 
 def test_batches_are_calibrated_per_size_bucket(tiny_factory, cache_dir):
