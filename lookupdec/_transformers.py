@@ -6,7 +6,8 @@
   transformers helpers. Exactness under sampling depends on applying the same processors in the same order.
 - :func:`target_forward`: one pass of the target on a ``DynamicCache`` (:func:`rollback_cache`), under whichever
   names this transformers version gives the cache and ``logits_to_keep``.
-- :func:`gather_cache_slots`: moving a batch's cache slots (the batch loop's compaction) through the cache layers.
+- :func:`gather_cache_slots`, :func:`append_cache_rows`: moving a batch's cache slots (the batch loop's compaction)
+  and adding a request's rows to a running batch, through the cache layers.
 
 Importing this module checks the transformers version: lookupdec calls private helpers whose names and
 signatures change between releases, so an untested version fails here, clearly, instead of deep inside a
@@ -163,6 +164,19 @@ def target_forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset
         kwargs.update(attention_mask=mask.long(), position_ids=positions)
     out = model(input_ids=ids, use_cache=True, **kwargs)
     return out.logits[:, -keep:]
+
+
+def append_cache_rows(cache: DynamicCache, other: DynamicCache) -> None:
+    """Append the rows of ``other`` to ``cache`` (both of the same model), in every layer; whichever holds fewer
+    slots is left-padded with zeros, which the caller's attention mask must leave out."""
+    for layer, new in zip(cache.layers, other.layers, strict=True):
+        width = max(layer.keys.shape[2], new.keys.shape[2])
+        layer.keys = torch.cat([_pad_slots(layer.keys, width), _pad_slots(new.keys, width)])
+        layer.values = torch.cat([_pad_slots(layer.values, width), _pad_slots(new.values, width)])
+
+
+def _pad_slots(states: torch.Tensor, width: int) -> torch.Tensor:  # [rows, heads, slots, dim]
+    return torch.nn.functional.pad(states, (0, 0, width - states.shape[2], 0)) if states.shape[2] < width else states
 
 
 def gather_cache_slots(cache: DynamicCache, order: torch.Tensor) -> None:

@@ -32,13 +32,17 @@ No torch and no numba here: the cache sits beside the numba index (see STYLE.md)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import numbers
 import os
 import threading
+import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 
 import numpy as np
 import pygtrie
@@ -114,24 +118,85 @@ def _as_token_array(tokens) -> np.ndarray:
     return np.array(arr, dtype=np.int32, copy=True)
 
 
+class _Index:
+    """One copy of everything a reader looks at. RollingCache keeps two identical copies (see its docstring)."""
+
+    __slots__ = ("trie", "seqs", "order", "total", "pins")
+
+    def __init__(self):
+        self.trie: pygtrie.Trie = pygtrie.Trie()
+        # seq_id -> int32 array  # [seq_len]; ids grow monotonically, so a trie value never aliases a newer sequence.
+        # The arrays are never written after add(), so both copies share them.
+        self.seqs: dict[int, np.ndarray] = {}
+        # Insertion order of live seq_ids, oldest first (a deque: O(1) pops from the old end).
+        self.order: deque[int] = deque()
+        self.total = 0
+        # One entry per reader using this copy; list.append and list.pop are atomic in CPython.
+        self.pins: list[None] = []
+
+    def add(self, seq_id: int, arr: np.ndarray, evicted: list[int], cfg: CacheConfig) -> None:
+        """Index ``arr``  # [seq_len] under ``seq_id``, then evict the sequences ``evicted`` (oldest first)."""
+        trie = self.trie
+        value = seq_id << _POS_BITS
+        # Ascending t: a later position overwrites an earlier one (latest position wins within a sequence).
+        for key, t in _ngram_entries(arr, cfg):
+            trie[key] = value | t
+        self.seqs[seq_id] = arr
+        self.order.append(seq_id)
+        self.total += arr.size
+        for old_id in evicted:
+            self.order.popleft()
+            old = self.seqs.pop(old_id)
+            self.total -= old.size
+            for key, _ in _ngram_entries(old, cfg):
+                value = trie.get(key)
+                # Only keys still owned by this sequence go; a newer sequence's overwrite must survive. The same key can
+                # occur twice in this sequence and is then met twice, hence the check rather than a blind delete.
+                if value is not None and value >> _POS_BITS == old_id:
+                    del trie[key]
+
+    def clear(self) -> None:
+        self.trie = pygtrie.Trie()
+        self.seqs.clear()
+        self.order.clear()
+        self.total = 0
+
+
+def _ngram_entries(arr: np.ndarray, cfg: CacheConfig) -> Iterator[tuple[tuple[int, ...], int]]:
+    """(reversed n-gram ending before t, t) for every t in [min_n, seq_len - 1] and n in [min_n, min(max_n, t)], in
+    ascending t; arr: [seq_len]."""
+    seq_len = int(arr.size)
+    # rev[seq_len - t : seq_len - t + n] == reversed(seq[t - n:t]); python ints make hashing and trie steps cheap.
+    rev = arr[::-1].tolist()
+    for t in range(cfg.min_n, seq_len):
+        base = seq_len - t
+        for n in range(cfg.min_n, min(cfg.max_n, t) + 1):
+            yield tuple(rev[base:base + n]), t
+
+
 class RollingCache:
     """Bounded FIFO store of finished token sequences, indexed for longest-suffix lookup.
 
-    Thread safe: every public method holds one lock, so a server may share one cache across generating threads.
+    Thread safe, and a lookup never waits for an add: a server may share one cache across generating threads, and a
+    long request finishing does not stall the others' decoding steps. Everything a reader uses lives in two identical
+    copies (:class:`_Index`), a *front* one that readers use and a *back* one. A writer (add, clear; one at a time, under
+    ``_write_lock``) changes the back copy, makes it the front in one assignment, waits for readers still on the old
+    front (each is microseconds from done), and makes the same change to that copy, which becomes the back. A reader
+    pins the front copy and checks it is still the front; a writer swaps before it waits on pins, so a pinned front is
+    never changed under its reader. Every read therefore sees the state before or after a whole add, never part of one:
+    concurrent calls give the results of some serial order of them. The price is a second copy of the index in memory
+    and every add's trie work done twice (the n-gram keys are built once, before the writer lock).
+
     Lookups are O(max_n + k); add() is O(len(tokens) * (max_n - min_n + 1)) plus the cost of the evictions it causes.
     """
 
     def __init__(self, max_tokens: int = 65536, min_n: int = 2, max_n: int = 4):
         self._config = CacheConfig(max_tokens=max_tokens, min_n=min_n, max_n=max_n)
-        # One lock for all state below; trie, dict, deque and the token count must change together.
-        self._lock = threading.Lock()
-        self._trie: pygtrie.Trie = pygtrie.Trie()
-        # seq_id -> int32 array  # [seq_len]; ids grow monotonically, so a trie value never aliases a newer sequence.
-        self._seqs: dict[int, np.ndarray] = {}
-        # Insertion order of live seq_ids, oldest first (a deque: O(1) pops from the old end).
-        self._order: deque[int] = deque()
+        # Readers only ever load _front; _back, _next_id and every change to either copy belong to the lock's holder.
+        self._front = _Index()
+        self._back = _Index()
+        self._write_lock = threading.Lock()
         self._next_id = 0
-        self._total = 0
 
     # ------------------------------------------------------------------ introspection
 
@@ -152,18 +217,18 @@ class RollingCache:
         return self._config.max_n
 
     def __len__(self) -> int:
-        with self._lock:
-            return self._total
+        with self._reading() as index:
+            return index.total
 
     @property
     def num_sequences(self) -> int:
-        with self._lock:
-            return len(self._order)
+        with self._reading() as index:
+            return len(index.order)
 
     def sequences(self) -> list[np.ndarray]:
         """Copies of the stored sequences, oldest first  # each [seq_len] int32."""
-        with self._lock:
-            return [self._seqs[seq_id].copy() for seq_id in self._order]
+        with self._reading() as index:
+            return [index.seqs[seq_id].copy() for seq_id in index.order]
 
     def __repr__(self) -> str:
         cfg = self._config
@@ -171,6 +236,37 @@ class RollingCache:
             f"RollingCache(max_tokens={cfg.max_tokens}, min_n={cfg.min_n}, max_n={cfg.max_n}; "
             f"{len(self)} tokens in {self.num_sequences} sequences)"
         )
+
+    # ------------------------------------------------------------------ readers and writers
+
+    def _pin(self) -> _Index:
+        """The front copy, pinned: nothing changes it until the caller's ``index.pins.pop()``."""
+        while True:
+            index = self._front
+            index.pins.append(None)
+            # Still the front once pinned: any writer that swaps it out later will see the pin and wait for it.
+            if index is self._front:
+                return index
+            index.pins.pop()
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[_Index]:
+        index = self._pin()
+        try:
+            yield index
+        finally:
+            index.pins.pop()
+
+    def _write(self, change: Callable[[_Index], None]) -> None:
+        """Apply ``change`` to both copies without blocking a reader; the caller holds ``_write_lock``."""
+        back = self._back
+        change(back)
+        old = self._front
+        self._front = back  # readers now get the changed copy
+        self._back = old
+        while old.pins:
+            time.sleep(0)  # let the last readers of the old front finish
+        change(old)
 
     # ------------------------------------------------------------------ mutation
 
@@ -181,62 +277,33 @@ class RollingCache:
         similar request is about to produce). A sequence that is then shorter than ``min_n + 1`` is ignored: it cannot
         hold an n-gram *and* a following token. Afterwards whole oldest sequences are evicted until the total fits.
         """
-        arr = _as_token_array(tokens)
-        with self._lock:
-            self._add_unlocked(arr)
+        self._add_array(_as_token_array(tokens))
 
     def clear(self) -> None:
-        with self._lock:
-            self._trie = pygtrie.Trie()
-            self._seqs.clear()
-            self._order.clear()
-            self._total = 0
+        with self._write_lock:
+            self._write(_Index.clear)
             # _next_id keeps growing on purpose: ids are never reused, even across clear().
 
-    def _add_unlocked(self, arr: np.ndarray) -> None:
+    def _add_array(self, arr: np.ndarray) -> None:
         cfg = self._config
         if arr.size > cfg.max_tokens:
             arr = arr[-cfg.max_tokens:].copy()
-        seq_len = int(arr.size)
-        if seq_len < cfg.min_n + 1:
+        if arr.size < cfg.min_n + 1:
             return
-        seq_id = self._next_id
-        self._next_id += 1
-        self._seqs[seq_id] = arr
-        self._order.append(seq_id)
-        self._total += seq_len
-
-        trie = self._trie
-        # rev[seq_len - t : seq_len - t + n] == reversed(seq[t - n:t]); python ints make hashing and trie steps cheap.
-        rev = arr[::-1].tolist()
-        for t in range(cfg.min_n, seq_len):
-            base = seq_len - t
-            value = (seq_id << _POS_BITS) | t
-            # Ascending t: a later position overwrites an earlier one (latest position wins within a sequence).
-            for n in range(cfg.min_n, min(cfg.max_n, t) + 1):
-                trie[tuple(rev[base:base + n])] = value
-
-        # The new sequence alone fits (truncated above), so this never evicts what was just added.
-        while self._total > cfg.max_tokens:
-            self._evict_oldest_unlocked()
-
-    def _evict_oldest_unlocked(self) -> None:
-        cfg = self._config
-        seq_id = self._order.popleft()
-        arr = self._seqs.pop(seq_id)
-        seq_len = int(arr.size)
-        self._total -= seq_len
-        trie = self._trie
-        rev = arr[::-1].tolist()
-        for t in range(cfg.min_n, seq_len):
-            base = seq_len - t
-            for n in range(cfg.min_n, min(cfg.max_n, t) + 1):
-                key = tuple(rev[base:base + n])
-                value = trie.get(key)
-                # Only keys still owned by this sequence go; a newer sequence's overwrite must survive. The same key can
-                # occur twice in this sequence and is then met twice, hence the check rather than a blind delete.
-                if value is not None and value >> _POS_BITS == seq_id:
-                    del trie[key]
+        with self._write_lock:
+            seq_id = self._next_id
+            self._next_id += 1
+            # Both copies hold the same state here, so the back one decides the evictions for both.
+            back = self._back
+            total = back.total + arr.size
+            evicted = []
+            for old_id in back.order:
+                # The new sequence alone fits (truncated above), so this never evicts what is being added.
+                if total <= cfg.max_tokens:
+                    break
+                total -= back.seqs[old_id].size
+                evicted.append(old_id)
+            self._write(lambda index: index.add(seq_id, arr, evicted, cfg))
 
     # ------------------------------------------------------------------ lookup
 
@@ -261,13 +328,17 @@ class RollingCache:
         if tail.dtype.kind not in "iu":
             raise ValueError(f"context must hold integer token ids, got dtype {tail.dtype}")
         key = tuple(tail[::-1].tolist())
-        with self._lock:
+        # _pin and try/finally rather than _reading(): this runs every decoding step, and a generator costs a microsecond.
+        index = self._pin()
+        try:
             # Every stored key has length in [min_n, max_n], so the longest valued prefix is the longest suffix match.
-            step = self._trie.longest_prefix(key)
+            step = index.trie.longest_prefix(key)
             if not step:
                 return 0, _EMPTY_DRAFT.copy()
             seq_id, t = step.value >> _POS_BITS, step.value & _POS_MASK
-            draft = self._seqs[seq_id][t:t + int(k)].copy()
+            draft = index.seqs[seq_id][t:t + int(k)].copy()
+        finally:
+            index.pins.pop()
         return len(step.key), draft
 
     # ------------------------------------------------------------------ persistence
@@ -281,9 +352,9 @@ class RollingCache:
         """
         path = os.fspath(path)
         cfg = self._config
-        # Snapshot under the lock, serialise outside it: other threads keep generating while the file is written.
-        with self._lock:
-            sequences = [self._seqs[seq_id].tolist() for seq_id in self._order]
+        # Snapshot from a pinned copy, serialise outside it: other threads keep generating while the file is written.
+        with self._reading() as index:
+            sequences = [index.seqs[seq_id].tolist() for seq_id in index.order]
         payload = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -300,9 +371,17 @@ class RollingCache:
         """Read a file written by :meth:`save`.
 
         A missing, unreadable, corrupt or incompatible file raises :class:`CacheFileError` (one line, naming the file
-        and the reason) when ``strict``; otherwise it logs a warning on the ``lookupdec`` logger and returns an empty
-        cache, so a bad cache file can cost speed but never a generation. The empty cache keeps the file's n-range and
-        budget when those were readable and valid, else the defaults.
+        and the reason) when ``strict``, and nothing on disk changes. Otherwise the load logs a warning on the
+        ``lookupdec`` logger and returns an empty cache, so a bad cache file can cost speed but never a generation. The
+        empty cache keeps the file's n-range and budget when those were readable and valid, else the defaults.
+
+        Non-strict, a file that exists but cannot be used (corrupt, truncated, from a newer lookupdec, unreadable) is
+        first renamed to ``NAME.unreadable-YYYYmmdd-HHMMSS`` beside it (``-1``, ``-2``, ... appended when that name is
+        taken; an earlier moved-aside file is never replaced), so the next :meth:`save` to ``path`` cannot destroy what
+        it held; the warning says where it went. If the rename fails (a read-only folder, say), the warning says so and
+        the file stays where it is: a later save to ``path`` would then replace it, though whatever stopped the rename
+        (a read-only or sticky folder, an immutable file) usually stops that save too. A missing file, or a folder at
+        ``path``, is left alone.
         """
         path_str = os.fspath(path)
         config = None
@@ -313,14 +392,41 @@ class RollingCache:
             message = f"cache file {path_str!r}: {problem.reason}"
             if strict:
                 raise CacheFileError(message) from None
+            if os.path.isfile(path_str):
+                try:
+                    moved = _move_aside(path_str)
+                except OSError as err:
+                    message += f"; could not move it aside ({type(err).__name__}: {err.strerror or err}), left in place"
+                else:
+                    message += f"; moved it to {moved!r}"
             logger.warning("%s; starting with an empty cache", message)
             cfg = config or CacheConfig()
             return cls(max_tokens=cfg.max_tokens, min_n=cfg.min_n, max_n=cfg.max_n)
         cache = cls(max_tokens=config.max_tokens, min_n=config.min_n, max_n=config.max_n)
-        with cache._lock:
-            for arr in sequences:
-                cache._add_unlocked(arr)
+        for arr in sequences:
+            cache._add_array(arr)
         return cache
+
+
+def _move_aside(path: str) -> str:
+    """Rename the file at ``path`` to a free ``path.unreadable-YYYYmmdd-HHMMSS[-N]`` and return that name."""
+    stem = f"{path}.unreadable-{datetime.now():%Y%m%d-%H%M%S}"
+    suffix = 0
+    while True:
+        target = stem if suffix == 0 else f"{stem}-{suffix}"
+        # Claim the name first: os.replace alone would silently replace an earlier moved-aside file.
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            suffix += 1
+            continue
+        try:
+            os.replace(path, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(target)
+            raise
+        return target
 
 
 class _UnusableFile(Exception):

@@ -185,9 +185,15 @@ class Drafter:
                 self._batch_costs[rows] = PassCost(prior_jump=0.05 * rows, prior_slope=0.035 * rows)
             return self._batch_costs[rows]
 
-    def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = ()) -> DraftSession:
-        """Begin drafting for one request whose context is ``prompt`` (token ids)."""
-        return DraftSession(self, np.asarray(prompt, dtype=np.int32), frozenset(int(t) for t in eos_ids))
+    def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = (), *, prediction: Sequence[int] | None = None
+              ) -> DraftSession:
+        """Begin drafting for one request whose context is ``prompt`` (token ids). ``prediction``: token ids this
+        request's output is expected to repeat (OpenAI's Predicted Outputs, e.g. the file being edited): a
+        reference of its own, preferred over other copies of the same text, whose drafted tokens the session
+        counts (:attr:`DraftSession.prediction_accepted`, :attr:`DraftSession.prediction_rejected`)."""
+        prediction = None if prediction is None else np.asarray(prediction, dtype=np.int32)
+        return DraftSession(self, np.asarray(prompt, dtype=np.int32), frozenset(int(t) for t in eos_ids),
+                            prediction)
 
     # ------------------------------------------------------------------ the propose/commit driver
 
@@ -233,13 +239,23 @@ def _as_tokens(ref: TokenSource, tokenizer) -> np.ndarray:
 class DraftSession:
     """Drafting state of one request: its index, its alignment cursor, and the draft awaiting verification."""
 
-    def __init__(self, drafter: Drafter, prompt: np.ndarray, eos_ids: frozenset):
+    def __init__(self, drafter: Drafter, prompt: np.ndarray, eos_ids: frozenset, prediction: np.ndarray | None = None):
         cfg = drafter.drafter_config
         self.drafter = drafter
         self._eos = np.array(sorted(eos_ids), dtype=np.int32)
         parts = []
         for ref in drafter.references:
             parts += [ref, np.array([SEPARATOR], dtype=np.int32)]
+        # The prediction sits last before the prompt: buffer positions [start, end) hold it.
+        self._prediction = (0, 0)
+        self._prediction_grams: dict = {}
+        self.prediction_accepted = 0  # drafted tokens copied from the prediction that the target kept
+        self.prediction_rejected = 0  # ... and that it did not
+        if prediction is not None and prediction.size:
+            start = sum(len(p) for p in parts)
+            self._prediction = (start, start + len(prediction))
+            parts += [prediction, np.array([SEPARATOR], dtype=np.int32)]
+            self._prediction_grams = _ngram_sources(prediction, start, cfg.min_n, cfg.max_n)
         self._output_start = sum(len(p) for p in parts) + len(prompt)  # t of the first generated token
         buffer = np.concatenate(parts + [prompt]) if parts else prompt
         self.index = NgramIndex(cfg.min_n, cfg.max_n, capacity=max(len(buffer) + 1024, 1024))
@@ -279,10 +295,15 @@ class DraftSession:
 
     def _candidate(self, limit: int) -> tuple:
         index = self.index
+        if self._cursor >= 0 and self._prediction_grams and not self._in_prediction(self._cursor):
+            n, src = self._prefer_prediction(self.drafter.drafter_config.max_n, self._cursor)
+            self._cursor = src
         if self._cursor >= 0:
             shared = index.match_length(self._cursor, 32)
             return bucket("cursor", shared), self._cursor, self._copy(self._cursor, limit)
         n, src = index.match()
+        if self._prediction_grams and not self._in_prediction(src):
+            n, src = self._prefer_prediction(n, src)
         shared = index.match_length(src, 32) if n else 0
         cache = self.drafter.cache
         if cache is not None and shared < 8:
@@ -293,6 +314,20 @@ class DraftSession:
         if n == 0:
             return None, -1, EMPTY
         return bucket("index", shared), src, self._copy(src, limit)
+
+    def _in_prediction(self, src: int) -> bool:
+        return self._prediction[0] <= src < self._prediction[1]
+
+    def _prefer_prediction(self, n: int, src: int) -> tuple:
+        """The index keeps the most recent source of each n-gram, and a prompt that quotes the predicted text
+        holds a later copy of it; drafting from the prediction's own copy instead (when it shares as long a
+        suffix) drafts the same tokens and lets them be counted as the prediction's."""
+        tokens = self.index.tokens
+        for m in range(min(self.drafter.drafter_config.max_n, len(tokens)), max(n, 1) - 1, -1):
+            hit = self._prediction_grams.get(tuple(tokens[len(tokens) - m:].tolist()))
+            if hit is not None:
+                return m, hit
+        return n, src
 
     def _copy(self, src: int, limit: int) -> np.ndarray:
         """Up to ``limit`` tokens copied from ``src``. A copy that runs into the present (the source is the text
@@ -338,7 +373,11 @@ class DraftSession:
         self._pending = (None, -1, EMPTY)
         new = np.asarray(tokens, dtype=np.int32)
         if bucket_ is not None:
-            self.drafter.acceptance.update(bucket_, _common_prefix(draft, new[:-1]), len(draft))
+            accepted = _common_prefix(draft, new[:-1])
+            self.drafter.acceptance.update(bucket_, accepted, len(draft))
+            if self._in_prediction(src):  # a draft never crosses the separator after the prediction
+                self.prediction_accepted += accepted
+                self.prediction_rejected += len(draft) - accepted
         if seconds is not None:
             self.drafter.observe(1, len(draft), seconds)
         self.index.extend(new)
@@ -366,6 +405,17 @@ class DraftSession:
             context = self.index.tokens[start:]
             context = context[np.flatnonzero(context < 0)[-1] + 1:] if (context < 0).any() else context
             cache.add(context.copy())
+
+
+def _ngram_sources(tokens: np.ndarray, offset: int, min_n: int, max_n: int) -> dict:
+    """``{n-gram: source}`` for every n-gram of ``tokens`` with ``min_n <= n <= max_n`` that has a continuation in
+    ``tokens``, its source (the position after it, counted from ``offset``) the most recent one, as the index's."""
+    grams = {}
+    values = tokens.tolist()
+    for n in range(max(min_n, 1), max_n + 1):
+        for end in range(n, len(values)):
+            grams[tuple(values[end - n: end])] = offset + end
+    return grams
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -155,12 +155,13 @@ class Job:
         )
 
     def verifier(self, resolved: Resolved):
-        """``pick(logits, draft, process) -> Verdict`` for a row: the greedy rule, or exact sampling drawing from
-        the job's generator."""
+        """``pick(logits, draft, process, position=0) -> Verdict`` for a row: the greedy rule, or exact sampling
+        drawing from the job's generator (``position``, the row's output position, is not needed by either)."""
         if resolved.do_sample:
             generator = self.generator
-            return lambda logits, draft, process: verify_sample(logits, draft, process, generator=generator)
-        return verify_greedy
+            return lambda logits, draft, process, position=0: verify_sample(logits, draft, process,
+                                                                            generator=generator)
+        return lambda logits, draft, process, position=0: verify_greedy(logits, draft, process)
 
 
 def _generate(job: Job, input_ids: torch.Tensor, length: int, streamer, trace) -> LookupOutput:

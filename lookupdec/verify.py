@@ -119,6 +119,38 @@ def verify_sample(
     raise AssertionError("unreachable")
 
 
+def verify_keyed(
+    logits: torch.Tensor,  # [d + 1, vocab] raw target logits for [last token, x_0 .. x_{d-1}]
+    draft: np.ndarray,  # [d] int, on the host
+    process: Processor | None,
+    seed: int,
+    position: int,  # output position of the pass's first new token (0: the first generated token)
+) -> Verdict:
+    """Exact sampling whose randomness belongs to the output position, not to the pass: the token at output
+    position ``t`` is drawn from ``p_t`` by inverting its cumulative distribution at ``keyed_uniform(seed, t)``,
+    and the drafted token there is accepted if and only if it is that token. The accepted token then has
+    probability ``p(x)`` and a replacement follows ``p`` with ``x`` removed and renormalised: the rule of
+    :func:`verify_sample`, drawn differently. Since ``u`` depends only on ``(seed, t)``, a seed gives the same
+    output whatever was drafted and whichever requests shared the pass (the server's per-request ``seed``)."""
+    d = len(draft)
+    for pos in range(d + 1):
+        row = logits[pos].float()
+        if process is not None:
+            row = process(pos, row)
+        p = torch.softmax(row.double(), dim=-1)
+        cdf = p.cumsum(0)
+        u = torch.tensor([keyed_uniform(seed, position + pos) * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
+        token = int(torch.searchsorted(cdf, u, right=True)[0].clamp(max=p.numel() - 1))
+        if pos == d or token != int(draft[pos]):
+            return Verdict(pos, token)
+    raise AssertionError("unreachable")
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) fixed by ``(seed, position)`` (numpy's PCG64 seeded with both)."""
+    return float(np.random.default_rng([seed & 0xFFFF_FFFF_FFFF_FFFF, position]).random())
+
+
 def _sample_eager(logits, draft, process, generator) -> Verdict:
     """The same rule on every position at once: ``u_pos < p_pos(x_pos)`` decides each drafted token, the first
     failure (or the end of the draft) is where the pass stops, and the token there is drawn from ``p`` with the

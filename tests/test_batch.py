@@ -214,3 +214,124 @@ def test_real_model_batch_of_edits(smollm2):
         assert row[: len(want)] == want
         assert all(t == pad for t in row[len(want):])
     assert out.stats.accepted_tokens > 0
+
+
+def _row(model, drafter, prompt, budget, pick=None, **kw):
+    from lookupdec._transformers import resolve_generation
+    from lookupdec.verify import verify_greedy
+
+    resolved = resolve_generation(model, prompt, max_new_tokens=budget, generation_config=None, logits_processor=None,
+                                  stopping_criteria=None, **kw)
+    pick = pick or (lambda logits, draft, process, position: verify_greedy(logits, draft, process))
+    session = drafter.start(prompt[0].numpy(), eos_ids=resolved.eos_ids)
+    return batch_module.Row(prompt, resolved, session, budget, pick)
+
+
+def test_rows_joining_a_running_batch_match_single_sequence_greedy(tiny_model):
+    # Requests arrive while others run: each is prefilled alone and appended to the batch's cache (the shorter
+    # side left-padded), at different steps, and each row still gives what it gives alone; rows leave as they end.
+    prompts = _prompts(tiny_model, count=5, seed=11)
+    budgets = [40, 7, 30, 1, 25]
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    rows, finished, step = [], [], 0
+    arrivals = {0: [0, 1], 2: [2], 3: [3], 9: [4]}  # step -> prompts joining before it
+    with torch.inference_mode():
+        while step == 0 or run.rows or step <= max(arrivals):
+            for i in arrivals.get(step, []):
+                rows.append(_row(tiny_model, drafter, prompts[i], budgets[i]))
+                run.join(rows[-1])
+            if run.rows:
+                finished += run.step()
+            step += 1
+    assert sorted(map(id, finished)) == sorted(map(id, rows))
+    expected = [_singles(tiny_model, [p], b)[0] for p, b in zip(prompts, budgets)]
+    assert [row.tokens.tolist() for row in rows] == expected
+    assert [row.finish_reason for row in rows] == ["length" if len(e) == b else "stop"
+                                                   for e, b in zip(expected, budgets)]
+    assert sum(row.stats.accepted_tokens for row in rows) > 0
+
+
+def test_a_cancelled_row_leaves_and_the_others_are_unchanged(tiny_model):
+    prompts = _prompts(tiny_model, count=3, seed=13)
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    committed = []
+    with torch.inference_mode():
+        rows = [_row(tiny_model, drafter, p, 30) for p in prompts]
+        rows[1].on_commit = lambda tokens, done: committed.append((list(tokens), done))
+        for row in rows:
+            run.join(row)
+        run.step()
+        run.step()
+        rows[1].cancelled = True
+        assert rows[1] in run.step() and rows[1].finish_reason == "cancelled"
+        while run.rows:
+            run.step()
+    assert committed[-1] == ([], True) and all(not done for _, done in committed[:-1])
+    assert sum(len(t) for t, _ in committed) == len(rows[1].tokens)
+    for i in (0, 2):
+        assert rows[i].tokens.tolist() == _singles(tiny_model, [prompts[i]], 30)[0]
+
+
+class _NoDrafts:
+    """A session that never drafts: plain decoding through the same loop."""
+
+    def offer(self, limit):
+        from lookupdec.policy import Offer
+
+        return Offer(batch_module.EMPTY, 0.0, 0.0)
+
+    def take(self, length):
+        return batch_module.EMPTY
+
+    def commit(self, tokens, seconds=None):
+        pass
+
+    def finish(self):
+        pass
+
+
+def test_keyed_sampling_gives_a_seed_the_same_output_alone_batched_and_undrafted():
+    # The server's sampling: the token at output position t is drawn at a uniform fixed by (seed, t), so what was
+    # drafted and who shared the pass change nothing. Compared with the same rows decoded plainly (no drafts).
+    from lookupdec.verify import verify_keyed
+
+    model, prompt = peaky_model()
+    prompts = [prompt, prompt[:, 3:], prompt[:, 7:]]
+
+    def keyed(seed):
+        return lambda logits, draft, process, position: verify_keyed(logits, draft, process, seed, position)
+
+    def run(batched, drafting):
+        drafter = LookupDrafter()
+        outputs = []
+        with torch.inference_mode():
+            runs = [batch_module.BatchRun(model, drafter)] * (3 if batched else 1)
+            rows = []
+            for i, prompt in enumerate(prompts):
+                row = _row(model, drafter, prompt, 40, pick=keyed(100 + i), do_sample=True, temperature=1.0)
+                if not drafting:
+                    row.session = _NoDrafts()
+                rows.append(row)
+            if batched:
+                for row in rows:
+                    runs[0].join(row)
+                while runs[0].rows:
+                    runs[0].step()
+            else:
+                for row in rows:
+                    single = batch_module.BatchRun(model, drafter)
+                    single.join(row)
+                    while single.rows:
+                        single.step()
+            outputs = [row.tokens.tolist() for row in rows]
+            accepted = sum(row.stats.accepted_tokens for row in rows)
+        return outputs, accepted
+
+    plain, _ = run(batched=False, drafting=False)
+    alone, accepted_alone = run(batched=False, drafting=True)
+    together, accepted_together = run(batched=True, drafting=True)
+    assert alone == plain and together == plain
+    assert accepted_alone > 0 and accepted_together > 0  # drafts were verified and kept: the keys did the work
+    assert len({tuple(o) for o in plain}) == 3

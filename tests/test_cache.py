@@ -74,19 +74,23 @@ def assert_same(cache: RollingCache, expected, context, k):
 
 
 def assert_index_consistent(cache: RollingCache):
-    """White-box: the trie holds exactly the most recent occurrence of every stored n-gram, and nothing else."""
+    """White-box: both copies of the index hold the same sequences, and each trie holds exactly the most recent
+    occurrence of every stored n-gram, and nothing else. Call it only when no add is running."""
     seqs = cache.sequences()
-    ids = list(cache._order)
     assert len(cache) == sum(len(s) for s in seqs) <= cache.max_tokens
-    assert cache.num_sequences == len(seqs) == len(cache._seqs)
-    expected = {}
-    for seq_id, seq in zip(ids, seqs):  # oldest first, so later assignments are the most recent occurrence
-        toks = seq.tolist()
-        for t in range(cache.min_n, len(toks)):
-            for n in range(cache.min_n, min(cache.max_n, t) + 1):
-                expected[tuple(reversed(toks[t - n:t]))] = (seq_id, t)
-    actual = {key: (value >> 48, value & ((1 << 48) - 1)) for key, value in cache._trie.iteritems()}
-    assert actual == expected
+    for index in (cache._front, cache._back):
+        assert not index.pins
+        ids = list(index.order)
+        assert [index.seqs[seq_id].tolist() for seq_id in ids] == [s.tolist() for s in seqs]
+        assert index.total == len(cache) and len(index.seqs) == len(ids) == cache.num_sequences
+        expected = {}
+        for seq_id, seq in zip(ids, seqs):  # oldest first, so later assignments are the most recent occurrence
+            toks = seq.tolist()
+            for t in range(cache.min_n, len(toks)):
+                for n in range(cache.min_n, min(cache.max_n, t) + 1):
+                    expected[tuple(reversed(toks[t - n:t]))] = (seq_id, t)
+        actual = {key: (value >> 48, value & ((1 << 48) - 1)) for key, value in index.trie.iteritems()}
+        assert actual == expected
 
 
 def all_contexts(vocab, max_len):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from lookupdec import DrafterConfig, LookupDrafter, RollingCache
+from lookupdec.drafter import Drafter
 from lookupdec.policy import Offer, PassCost, best_batch_length, best_draft_length, linear_costs
 
 
@@ -292,3 +293,48 @@ def test_a_copy_that_reaches_the_present_repeats_its_period():
     # Any copy cut short by the end of the text runs into the present; its period is the distance back.
     session = drafter.start([1, 2, 3, 4, 9, 9, 1, 2])
     assert session.propose(10).tolist() == [3, 4, 9, 9, 1, 2, 3, 4, 9, 9]
+
+
+def _replay(session, answer, limit=16):
+    """Step a session through ``answer`` as a greedy target would; returns (passes, drafted, accepted)."""
+    done, passes, drafted, accepted = 0, 0, 0, 0
+    session.commit(np.asarray(answer[:1], dtype=np.int32))
+    done = 1
+    while done < len(answer):
+        draft = session.propose(min(limit, len(answer) - done - 1))
+        truth = answer[done:]
+        k = 0
+        while k < len(draft) and k < len(truth) - 1 and draft[k] == truth[k]:
+            k += 1
+        session.commit(np.asarray(truth[: k + 1], dtype=np.int32))
+        passes, drafted, accepted, done = passes + 1, drafted + len(draft), accepted + k, done + k + 1
+    return passes, drafted, accepted
+
+
+def test_a_prediction_is_drafted_from_and_its_tokens_counted():
+    # The prompt quotes the file; the prediction is the file too. Drafts come from the prediction's copy, and the
+    # session counts its drafted tokens the target kept and did not; an edit in the middle costs a few tokens, then
+    # drafting picks up again, even where the prediction tokenized differently around the edit.
+    rng = np.random.default_rng(0)
+    file = rng.integers(10, 500, size=300).tolist()
+    edited = file[:150] + [7, 8] + file[152:]  # one edit
+    prediction = file[:220] + [600, 601] + file[222:]  # and a stretch split differently
+    prompt = [1, 2, 3] + file + [4, 5]
+    drafter = Drafter(use_cache=False)
+    session = drafter.start(prompt, eos_ids=[0], prediction=prediction)
+    passes, drafted, accepted = _replay(session, edited)
+    assert session.prediction_accepted + session.prediction_rejected <= drafted
+    # Every pass adds one token the target chose, so about len / (limit + 1) of them were not drafted.
+    # Around the differently split stretch one draft may come from the prompt's copy, until the suffix is found
+    # in the prediction again.
+    assert accepted - 20 <= session.prediction_accepted <= accepted and accepted >= len(edited) - 40
+    assert 0 < session.prediction_rejected
+    assert passes < len(edited) / 5
+
+
+def test_without_a_prediction_nothing_is_counted_as_predicted():
+    rng = np.random.default_rng(1)
+    file = rng.integers(10, 500, size=120).tolist()
+    session = Drafter(use_cache=False).start([1] + file, eos_ids=[0])
+    _, drafted, accepted = _replay(session, file)
+    assert accepted > 100 and session.prediction_accepted == session.prediction_rejected == 0

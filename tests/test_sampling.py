@@ -15,7 +15,7 @@ from scipy import stats
 import lookupdec
 from lookupdec import LookupDrafter
 from lookupdec import loop as loop_module
-from lookupdec.verify import Verdict, verify_sample
+from lookupdec.verify import Verdict, verify_keyed, verify_sample
 
 ALPHA = 1e-3
 
@@ -52,7 +52,12 @@ def _always_accept(logits, draft, process=None, generator=None):
     return Verdict(d, int(torch.multinomial(torch.softmax(row, -1), 1, generator=generator)))
 
 
-@pytest.mark.parametrize("rule, should_pass", [(verify_sample, True), (_always_accept, False)])
+def _keyed(seeds=iter(range(10**9))):
+    """verify_keyed with a new seed per call (the server's randomness: fixed by the seed and output position)."""
+    return lambda logits, draft, process=None, generator=None: verify_keyed(logits, draft, process, next(seeds), 0)
+
+
+@pytest.mark.parametrize("rule, should_pass", [(verify_sample, True), (_keyed(), True), (_always_accept, False)])
 def test_verifier_commits_tokens_distributed_as_p(rule, should_pass):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 8, generator=gen) * 1.5  # [d + 1, vocab], rows independent of the prefix
