@@ -15,9 +15,9 @@ Decisions (pinned by tests/test_cache.py):
 * A match needs at least one following token, so a "match" always yields a non-empty draft when ``k >= 1``.
 * "No draft" is always ``(0, empty int32 array)``, never ``None``.
 
-Index layout: one ``pygtrie.Trie`` keyed by the *reversed* n-gram ending just before a position ``t`` (most recent token
-first). For every stored sequence ``seq``, every ``t`` in ``[min_n, len(seq) - 1]`` and every ``n`` in
-``[min_n, min(max_n, t)]``::
+Index layout (of each of the two copies RollingCache keeps so lookups never wait for an add): one ``pygtrie.Trie``
+keyed by the *reversed* n-gram ending just before a position ``t`` (most recent token first). For every stored
+sequence ``seq``, every ``t`` in ``[min_n, len(seq) - 1]`` and every ``n`` in ``[min_n, min(max_n, t)]``::
 
     trie[reversed(seq[t - n:t])] = seq_id << 48 | t        # seq[t] is the first draft token
 
@@ -121,7 +121,7 @@ def _as_token_array(tokens) -> np.ndarray:
 class _Index:
     """One copy of everything a reader looks at. RollingCache keeps two identical copies (see its docstring)."""
 
-    __slots__ = ("trie", "seqs", "order", "total", "pins")
+    __slots__ = ("order", "pins", "seqs", "total", "trie")
 
     def __init__(self):
         self.trie: pygtrie.Trie = pygtrie.Trie()
@@ -179,13 +179,13 @@ class RollingCache:
 
     Thread safe, and a lookup never waits for an add: a server may share one cache across generating threads, and a
     long request finishing does not stall the others' decoding steps. Everything a reader uses lives in two identical
-    copies (:class:`_Index`), a *front* one that readers use and a *back* one. A writer (add, clear; one at a time, under
-    ``_write_lock``) changes the back copy, makes it the front in one assignment, waits for readers still on the old
-    front (each is microseconds from done), and makes the same change to that copy, which becomes the back. A reader
+    copies (:class:`_Index`), a *front* one that readers use and a *back* one. A writer (add, clear; one at a time,
+    under ``_write_lock``) changes the back copy, makes it the front in one assignment, waits for readers still on the
+    old front (each is microseconds from done), and makes the same change to that copy, which becomes the back. A reader
     pins the front copy and checks it is still the front; a writer swaps before it waits on pins, so a pinned front is
     never changed under its reader. Every read therefore sees the state before or after a whole add, never part of one:
     concurrent calls give the results of some serial order of them. The price is a second copy of the index in memory
-    and every add's trie work done twice (the n-gram keys are built once, before the writer lock).
+    and every add's trie work done twice, once per copy: lookups cost the same as with one lock, adds about twice.
 
     Lookups are O(max_n + k); add() is O(len(tokens) * (max_n - min_n + 1)) plus the cost of the evictions it causes.
     """
@@ -328,7 +328,7 @@ class RollingCache:
         if tail.dtype.kind not in "iu":
             raise ValueError(f"context must hold integer token ids, got dtype {tail.dtype}")
         key = tuple(tail[::-1].tolist())
-        # _pin and try/finally rather than _reading(): this runs every decoding step, and a generator costs a microsecond.
+        # _pin() and try/finally, not _reading(): this runs every decoding step, and a generator costs a microsecond.
         index = self._pin()
         try:
             # Every stored key has length in [min_n, max_n], so the longest valued prefix is the longest suffix match.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -15,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lookupdec.cache as cache_module
 from lookupdec.cache import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -484,10 +487,12 @@ def test_bad_file_strict_raises_one_line_cache_file_error(tmp_path, name):
     assert str(path) in message and reason in message
     assert "\n" not in message and len(message) < 300
     assert isinstance(info.value, ValueError)
+    # Strict loads leave the file where it is: the caller decides what to do about it.
+    assert os.listdir(tmp_path) == ["bad.json"] and path.read_bytes() == content
 
 
 @pytest.mark.parametrize("name", list(BAD_FILES))
-def test_bad_file_non_strict_warns_and_returns_empty_cache(tmp_path, caplog, name):
+def test_bad_file_non_strict_warns_moves_it_aside_and_returns_empty_cache(tmp_path, caplog, name):
     content, reason, config = BAD_FILES[name]
     path = tmp_path / "bad.json"
     path.write_bytes(content)
@@ -497,7 +502,62 @@ def test_bad_file_non_strict_warns_and_returns_empty_cache(tmp_path, caplog, nam
     assert cache.config == config
     records = [r for r in caplog.records if r.name == "lookupdec" and r.levelno == logging.WARNING]
     assert len(records) == 1
-    assert str(path) in records[0].getMessage() and reason in records[0].getMessage()
+    message = records[0].getMessage()
+    assert str(path) in message and reason in message
+    assert "\n" not in message
+
+    # The file's bytes survive under a new name beside it, and the warning says where.
+    [moved] = os.listdir(tmp_path)
+    assert re.fullmatch(r"bad\.json\.unreadable-\d{8}-\d{6}", moved)
+    assert (tmp_path / moved).read_bytes() == content
+    assert f"moved it to {str(tmp_path / moved)!r}" in message
+    # So the next save cannot destroy them.
+    cache.add([1, 2, 3])
+    cache.save(path)
+    assert sorted(os.listdir(tmp_path)) == ["bad.json", moved]
+    assert (tmp_path / moved).read_bytes() == content
+    assert RollingCache.load(path, strict=True).sequences()[0].tolist() == [1, 2, 3]
+
+
+def test_moved_aside_files_are_never_overwritten(tmp_path, monkeypatch, caplog):
+    class FrozenClock(cache_module.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(cache_module, "datetime", FrozenClock)
+    path = tmp_path / "cache.json"
+    for attempt in range(3):
+        path.write_bytes(b"broken %d" % attempt)
+        with caplog.at_level(logging.WARNING, logger="lookupdec"):
+            assert len(RollingCache.load(path)) == 0
+    # Same second each time: a numbered suffix rather than a replaced earlier file.
+    stem = "cache.json.unreadable-20260102-030405"
+    assert sorted(os.listdir(tmp_path)) == [stem, f"{stem}-1", f"{stem}-2"]
+    assert [(tmp_path / name).read_bytes() for name in (stem, f"{stem}-1", f"{stem}-2")] == [
+        b"broken 0", b"broken 1", b"broken 2"
+    ]
+    assert f"moved it to {str(tmp_path / (stem + '-2'))!r}" in caplog.text
+
+
+def test_file_that_cannot_be_moved_aside_is_left_in_place_with_a_warning(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "cache.json"
+    path.write_bytes(b"{not json")
+
+    def read_only_folder(src, dst):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "replace", read_only_folder)
+    with caplog.at_level(logging.WARNING, logger="lookupdec"):
+        cache = RollingCache.load(path)
+    assert len(cache) == 0 and cache.config == DEFAULT_CONFIG
+    records = [r for r in caplog.records if r.name == "lookupdec" and r.levelno == logging.WARNING]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert "is not valid JSON" in message
+    assert "could not move it aside (OSError: Read-only file system), left in place" in message
+    # The file is untouched and the name claimed for it is given back.
+    assert os.listdir(tmp_path) == ["cache.json"] and path.read_bytes() == b"{not json"
 
 
 def test_missing_file(tmp_path, caplog):
@@ -508,6 +568,7 @@ def test_missing_file(tmp_path, caplog):
         cache = RollingCache.load(path)
     assert cache.config == DEFAULT_CONFIG and len(cache) == 0
     assert "not found" in caplog.text and "starting with an empty cache" in caplog.text
+    assert "moved" not in caplog.text and os.listdir(tmp_path) == []
 
 
 def test_unreadable_path(tmp_path, caplog):
@@ -517,6 +578,9 @@ def test_unreadable_path(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="lookupdec"):
         assert len(RollingCache.load(tmp_path)) == 0
     assert "cannot be read" in caplog.text
+    # Not a cache file, so not ours to move.
+    assert "moved" not in caplog.text and tmp_path.is_dir()
+    assert not list(tmp_path.parent.glob(tmp_path.name + ".unreadable-*"))
 
 
 def test_file_over_its_own_budget_loads_with_eviction(tmp_path):
@@ -598,3 +662,119 @@ def test_concurrent_add_lookup_save_never_corrupts(tmp_path):
             assert_same(cache, reference_lookup(stored, context, kk, min_n, max_n), context, kk)
     loaded = RollingCache.load(path, strict=True)
     assert len(loaded) <= max_tokens
+
+
+@pytest.mark.parametrize("held_pass", [1, 2], ids=["changing-the-back-copy", "changing-the-old-front-copy"])
+def test_lookup_does_not_wait_for_an_add_in_progress(monkeypatch, held_pass):
+    # An add changes the back copy of the index, publishes it, then changes the old front copy. Hold it halfway through
+    # the trie insertions of one of those passes: a lookup must still answer at once, from the state before the whole
+    # add (pass 1) or after it (pass 2), never from the half-changed copy.
+    cache = RollingCache(max_tokens=100_000, min_n=2, max_n=3)
+    cache.add([1, 2, 3, 4])
+    long_seq = [1, 2, 3, 9] + list(range(10, 20_010))  # a newer occurrence of (1, 2, 3), inserted before the hold
+    entered, release = threading.Event(), threading.Event()
+    passes = []
+    original = cache_module._ngram_entries
+
+    def held_entries(arr, cfg):
+        if arr.size != len(long_seq):
+            yield from original(arr, cfg)
+            return
+        passes.append(None)
+        for i, entry in enumerate(original(arr, cfg)):
+            if i == len(long_seq) and len(passes) == held_pass:
+                entered.set()
+                release.wait(timeout=30)
+            yield entry
+
+    monkeypatch.setattr(cache_module, "_ngram_entries", held_entries)
+    answers = []
+    adder = threading.Thread(target=cache.add, args=(long_seq,), daemon=True)
+    adder.start()
+    try:
+        assert entered.wait(timeout=30), "the add never reached the held point"
+        reader = threading.Thread(
+            target=lambda: answers.append((cache.lookup([1, 2, 3], 2), len(cache))), daemon=True
+        )
+        reader.start()
+        reader.join(timeout=10)
+        assert not reader.is_alive(), "lookup waited for the add"
+        assert adder.is_alive()  # the answer came while the add was still held
+    finally:
+        release.set()
+        adder.join(timeout=30)
+    assert not adder.is_alive()
+    (n, draft), size = answers[0]
+    if held_pass == 1:
+        assert (n, draft.tolist(), size) == (3, [4], 4)  # Not [9, 10]: the add is not visible until it is whole.
+    else:
+        assert (n, draft.tolist(), size) == (3, [9, 10], 4 + len(long_seq))
+    assert cache.lookup([1, 2, 3], 2)[1].tolist() == [9, 10]
+    assert_index_consistent(cache)
+
+
+def test_concurrent_adds_and_lookups_match_a_serial_order(monkeypatch):
+    """Adds from several threads while others look up: the end state is what the adds give one after another in the
+    order they took effect, and every lookup answered from the state after some prefix of that order, a prefix that
+    never shrinks within one thread (no add seen half done, none seen undone)."""
+    max_tokens, min_n, max_n, vocab, k = 120, 1, 3, 3, 3
+    cache = RollingCache(max_tokens=max_tokens, min_n=min_n, max_n=max_n)
+    applied: dict[int, list[int]] = {}  # seq_id -> tokens; ids are handed out in the order adds take effect
+    original_add = cache_module._Index.add
+
+    def recording_add(index, seq_id, arr, evicted, cfg):
+        applied[seq_id] = arr.tolist()
+        original_add(index, seq_id, arr, evicted, cfg)
+
+    monkeypatch.setattr(cache_module._Index, "add", recording_add)
+    errors: list[BaseException] = []
+    logs: list[list] = [[], []]
+
+    def writer(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(25):
+                cache.add([rng.randrange(vocab) for _ in range(rng.randrange(0, 40))])
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread below
+            errors.append(err)
+
+    def reader(seed, log):
+        rng = random.Random(seed)
+        try:
+            while any(w.is_alive() for w in writers) and len(log) < 3000:
+                context = [rng.randrange(vocab) for _ in range(rng.randrange(0, 5))]
+                n, draft = cache.lookup(context, k)
+                log.append((context, n, draft.tolist()))
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    writers = [threading.Thread(target=writer, args=(seed,), daemon=True) for seed in range(3)]
+    readers = [threading.Thread(target=reader, args=(10 + i, logs[i]), daemon=True) for i in range(2)]
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, so lookups land inside adds
+    try:
+        for thread in writers + readers:
+            thread.start()
+        for thread in writers + readers:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in writers + readers)
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not errors, errors[0]
+
+    ref = ReferenceStore(max_tokens, min_n, max_n)
+    states = [[]]  # states[j]: the stored sequences after the first j adds in effect order
+    for seq_id in sorted(applied):
+        ref.add(applied[seq_id])
+        states.append(list(ref.sequences))
+    assert [s.tolist() for s in cache.sequences()] == states[-1]
+    assert_index_consistent(cache)
+    for context in all_contexts(vocab, max_n + 1):
+        assert_same(cache, reference_lookup(states[-1], context, k, min_n, max_n), context, k)
+
+    for log in logs:
+        j = 0
+        for context, n, draft in log:
+            while j < len(states) and reference_lookup(states[j], context, k, min_n, max_n) != (n, draft):
+                j += 1
+            assert j < len(states), f"lookup {context} -> {(n, draft)} matches no state at or after an earlier answer"
