@@ -60,7 +60,7 @@ class Row:
     """
 
     def __init__(self, prompt: torch.Tensor, resolved, session, max_new_tokens: int, pick: Callable, *,
-                 index: int = 0, trace=None, on_commit: Callable | None = None):
+                 index: int = 0, trace=None, on_commit: Callable | None = None, owner=None):
         self.index = index  # row in the caller's input_ids
         self.prompt = prompt  # [1, prompt_len] on the input device
         self.prompt_len = prompt.shape[1]
@@ -70,6 +70,7 @@ class Row:
         self.pick = pick
         self.trace = trace
         self.on_commit = on_commit
+        self.owner = owner  # the caller's handle on this row (the server's request)
         self.cancelled = False
         self.finish_reason = None  # "stop" (EOS or a stopping criterion), "length" or "cancelled", once done
         self.seq = torch.empty((1, self.prompt_len + max_new_tokens), dtype=torch.long, device=prompt.device)
@@ -118,11 +119,10 @@ class Row:
                             self.pass_seconds)
         if self.on_commit is not None:
             self.on_commit(committed, done)
+        if not self.cancelled:  # the pass time belongs to the batch (observed there), not to this row's draft
+            self.session.commit(np.asarray(self.step_tokens, dtype=np.int32))
         if done:
             self.session.finish()
-        else:
-            # The pass time belongs to the batch (observed there), not to this row's draft.
-            self.session.commit(np.asarray(self.step_tokens, dtype=np.int32))
         return done
 
     def _stopped(self, committed: list) -> bool:

@@ -143,5 +143,52 @@ def reformat(files, instruction, to, output, in_place, batch, model_name, device
         raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
+SERVE_EXIT_HELP = """\b
+Exit codes:
+  0    stopped by SIGTERM or Ctrl-C, requests in flight finished, cache saved
+  2    usage error, or a model or extra that cannot be loaded
+"""
+
+
+@main.command(epilog=SERVE_EXIT_HELP)
+@click.option("--model", "model_name", metavar="NAME_OR_PATH", default=None,
+              help="Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct (offline). "
+                   "Requests name it by this value (default: smollm2).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1, max=256), default=8, show_default=True, metavar="N",
+              help="Requests decoded together; later ones wait in the queue.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, metavar="N",
+              help="Requests allowed to wait; past that, 429 with Retry-After.")
+@click.option("--cache", "cache_path", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
+              help="Load the rolling cache of earlier outputs from FILE, and save it there on shutdown.")
+@click.option("--api-key", metavar="KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (default: $LOOKUPDEC_API_KEY; none if unset).")
+@click.option("--device", default="auto", show_default=True, metavar="DEVICE",
+              help="auto (CUDA if available, else the CPU), cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
+              help="auto is bf16 on CUDA and fp32 on the CPU.")
+@click.option("--no-calibrate", is_flag=True, help="Skip measuring the pass cost at startup (once per machine, "
+              "cached); the drafter then fits a straight line as it goes.")
+def serve(model_name, host, port, max_batch, max_queue, cache_path, api_key, device, dtype, no_calibrate):
+    """Serve the model over OpenAI's API (chat and completions, streaming), honouring Predicted Outputs.
+
+    \b
+    Examples:
+      lookupdec serve
+      lookupdec serve --port 8080 --max-batch 16 --cache ~/.cache/lookupdec/serve-cache.json
+    """
+    from .serve.run import ServeError, ServeOptions, serve as run_server
+
+    options = ServeOptions(model=model_name, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
+                           cache=cache_path, api_key=api_key, device=device, dtype=dtype,
+                           calibrate=not no_calibrate)
+    try:
+        run_server(options, say=lambda line: click.echo(line, err=True))
+    except ServeError as err:
+        click.echo(f"error: {err}", err=True)
+        raise click.exceptions.Exit(2) from None
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -306,7 +306,7 @@ class DraftSession:
             n, src = self._prefer_prediction(n, src)
         shared = index.match_length(src, 32) if n else 0
         cache = self.drafter.cache
-        if cache is not None and shared < 8:
+        if cache is not None and shared < 8 and not (n and self._in_prediction(src)):  # the caller's prediction first
             tokens = index.tokens
             n_cache, cached = cache.lookup(tokens[max(0, len(tokens) - cache.max_n):], limit)
             if n_cache > shared:
@@ -405,6 +405,24 @@ class DraftSession:
             context = self.index.tokens[start:]
             context = context[np.flatnonzero(context < 0)[-1] + 1:] if (context < 0).any() else context
             cache.add(context.copy())
+
+
+class NoDrafts:
+    """A session that never drafts: plain decoding through the same loops (the server's ``"lookup": false``)."""
+
+    prediction_accepted = prediction_rejected = 0
+
+    def offer(self, limit: int) -> Offer:
+        return Offer(EMPTY, 0.0, 0.0)
+
+    def take(self, length: int) -> np.ndarray:
+        return EMPTY
+
+    def commit(self, tokens: Sequence[int], seconds: float | None = None) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
 
 def _ngram_sources(tokens: np.ndarray, offset: int, min_n: int, max_n: int) -> dict:

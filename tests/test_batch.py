@@ -14,6 +14,7 @@ from test_sampling import ALPHA, STEPS, _pad, _plain_samples, _two_sample_p, pea
 import lookupdec
 from lookupdec import LookupDrafter
 from lookupdec import batch as batch_module
+from lookupdec.drafter import NoDrafts
 
 
 def _left_pad(prompts, pad):
@@ -274,24 +275,6 @@ def test_a_cancelled_row_leaves_and_the_others_are_unchanged(tiny_model):
         assert rows[i].tokens.tolist() == _singles(tiny_model, [prompts[i]], 30)[0]
 
 
-class _NoDrafts:
-    """A session that never drafts: plain decoding through the same loop."""
-
-    def offer(self, limit):
-        from lookupdec.policy import Offer
-
-        return Offer(batch_module.EMPTY, 0.0, 0.0)
-
-    def take(self, length):
-        return batch_module.EMPTY
-
-    def commit(self, tokens, seconds=None):
-        pass
-
-    def finish(self):
-        pass
-
-
 def test_keyed_sampling_gives_a_seed_the_same_output_alone_batched_and_undrafted():
     # The server's sampling: the token at output position t is drawn at a uniform fixed by (seed, t), so what was
     # drafted and who shared the pass change nothing. Compared with the same rows decoded plainly (no drafts).
@@ -312,7 +295,7 @@ def test_keyed_sampling_gives_a_seed_the_same_output_alone_batched_and_undrafted
             for i, prompt in enumerate(prompts):
                 row = _row(model, drafter, prompt, 40, pick=keyed(100 + i), do_sample=True, temperature=1.0)
                 if not drafting:
-                    row.session = _NoDrafts()
+                    row.session = NoDrafts()
                 rows.append(row)
             if batched:
                 for row in rows:

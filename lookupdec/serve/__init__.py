@@ -1,0 +1,13 @@
+"""``lookupdec serve``: an OpenAI-compatible server whose drafts copy from each request's prompt, its output, the
+other requests' outputs and its ``prediction`` (Predicted Outputs), on one batched, exact decoding loop.
+
+- ``protocol``: request bodies checked into a :class:`~lookupdec.serve.protocol.Request`, responses and errors
+  in OpenAI's shape (plain data, no model);
+- ``engine``: the thread that owns the model and the running batch, and each request's
+  :class:`~lookupdec.serve.engine.Ticket`;
+- ``app``: the FastAPI routes, streaming, stop strings, authentication;
+- ``run``: loading the model and the rolling cache, calibrating, and running uvicorn until a signal
+  (:func:`~lookupdec.serve.run.serve`).
+
+Needs the ``serve`` extra: ``pip install 'lookupdec[serve]'``.
+"""

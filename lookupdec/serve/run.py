@@ -1,0 +1,102 @@
+"""One server run: load the model and the rolling cache, measure the pass cost, serve until SIGTERM or Ctrl-C
+(uvicorn stops accepting and lets the requests in flight finish, up to ``shutdown_timeout``), then save the
+rolling cache atomically."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..cache import RollingCache
+from ..drafter import Drafter, DrafterConfig
+from ..models import DEFAULT_MODEL, load_model
+
+_log = logging.getLogger(__name__)
+
+
+class ServeError(Exception):
+    """A server that cannot start (bad option, model that cannot be loaded, missing extra): one line."""
+
+
+@dataclass
+class ServeOptions:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_queue: int = 64
+    cache: Path | None = None
+    api_key: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    shutdown_timeout: float = 30.0
+    calibrate: bool = True  # measure the pass cost (once per machine); False: a straight-line fit learned online
+
+
+def serve(options: ServeOptions, say=print) -> None:
+    """Run the server in the foreground until it is told to stop."""
+    try:
+        import uvicorn
+
+        from .app import create_app
+        from .engine import Engine
+    except ImportError as err:
+        raise ServeError(f"the server needs its extra: pip install 'lookupdec[serve]' ({err})") from None
+    from ..models import ModelLoadError
+
+    try:
+        model, tokenizer = load_model(options.model, device=options.device, dtype=options.dtype, progress=True)
+    except (ModelLoadError, ValueError) as err:
+        raise ServeError(str(err)) from None
+    name = options.model or DEFAULT_MODEL
+    cache = _load_cache(options.cache, say)
+    drafter = Drafter(DrafterConfig(calibrate=options.calibrate), cache=cache)
+    engine = Engine(model, tokenizer, drafter, max_batch=options.max_batch, max_queue=options.max_queue)
+    said = []
+
+    def measuring() -> None:
+        if not said:
+            said.append(True)
+            say("measuring the model's pass cost by draft length and batch size (once per machine)...")
+
+    engine.calibrate(on_measure=measuring)
+
+    def save_cache() -> None:
+        if options.cache is not None and drafter.cache is not None:
+            try:
+                drafter.cache.save(options.cache)
+                say(f"saved the rolling cache ({len(drafter.cache)} tokens) to {options.cache}")
+            except OSError as err:
+                _log.error("could not save the rolling cache to %s: %s", options.cache, err)
+
+    app = create_app(engine, name, api_key=options.api_key or os.environ.get("LOOKUPDEC_API_KEY") or None,
+                     on_shutdown=save_cache, shutdown_timeout=options.shutdown_timeout)
+    say(f"serving {name} on http://{options.host}:{options.port}/v1 (max batch {options.max_batch})")
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
+                            timeout_graceful_shutdown=int(options.shutdown_timeout))
+    # uvicorn handles SIGTERM and SIGINT while it serves (a graceful shutdown), then raises them again under the
+    # handlers found at its start: those end the process quietly here, since the shutdown has been done.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    say("stopped")
+
+
+def _load_cache(path: Path | None, say) -> RollingCache | None:
+    """The rolling cache saved at ``path`` (a file that cannot be used is moved aside with a warning), or a new
+    one; ``None`` without ``--cache`` (the drafter makes its own, kept in memory only)."""
+    if path is None:
+        return None
+    if path.exists():
+        cache = RollingCache.load(path)
+        say(f"loaded the rolling cache from {path} ({len(cache)} tokens)")
+        return cache
+    config = DrafterConfig()
+    return RollingCache(max_tokens=config.cache_tokens, min_n=max(2, config.min_n), max_n=max(2, config.max_n))
