@@ -1,5 +1,5 @@
 """The package's layout, as docs/design.md describes it: imports flow one way (kernels <- index/cache <- policy <-
-drafter <- loop/batch <- assistant / reformat / cli), and the drafting core needs neither torch nor transformers."""
+drafter <- loop/batch <- assistant / reformat / serve / cli), and the drafting core needs neither torch nor transformers."""
 
 import ast
 import subprocess
@@ -61,6 +61,8 @@ def test_imports_have_no_cycle():
 @pytest.mark.parametrize("low, high", [
     ("lookupdec.drafter", "lookupdec.assistant"), ("lookupdec.drafter", "lookupdec.verify"),
     ("lookupdec.policy", "lookupdec.drafter"), ("lookupdec.loop", "lookupdec.reformat.engine"),
+    ("lookupdec.batch", "lookupdec.serve.engine"), ("lookupdec.serve.protocol", "lookupdec.serve.engine"),
+    ("lookupdec.serve.engine", "lookupdec.serve.app"),
 ])
 def test_lower_layers_do_not_import_higher_ones(low, high):
     graph = _imports()
@@ -77,6 +79,15 @@ def test_lower_layers_do_not_import_higher_ones(low, high):
 def test_the_drafting_core_imports_neither_torch_nor_transformers():
     code = ("import sys, lookupdec.drafter, lookupdec.policy, lookupdec.cache, lookupdec.index; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_library_and_its_command_load_without_the_server_extra():
+    # fastapi and uvicorn come with the serve extra: only `lookupdec serve` may import them, when it runs. The wire
+    # format module is plain data.
+    code = ("import sys, lookupdec, lookupdec.cli, lookupdec.serve.protocol; "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
