@@ -126,6 +126,20 @@ def test_a_prediction_as_text_parts_and_no_prediction_give_the_same_answer(clien
     assert off.usage.lookup["drafted_tokens"] == 0 and off.usage.lookup["passes"] == off.usage.completion_tokens
 
 
+def test_a_prediction_of_the_whole_answer_is_drafted_and_counted(client):
+    # The answer, produced without drafting (so the rolling cache does not hold it), comes back as the prediction:
+    # the drafts come from it, and the counts add up with the pass statistics.
+    kwargs = dict(model=MODEL, prompt="A short note about the sea:\n", temperature=0, max_tokens=48)
+    first = client.completions.create(**kwargs, extra_body={"lookup": False})
+    answer = first.choices[0].text
+    again = client.completions.create(**kwargs, extra_body={"prediction": {"type": "content", "content": answer}})
+    assert again.choices[0].text == answer
+    details, lookup = again.usage.completion_tokens_details, again.usage.lookup
+    assert details.accepted_prediction_tokens >= 0.9 * lookup["accepted_tokens"] > 0
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens <= lookup["drafted_tokens"]
+    assert lookup["passes"] <= again.usage.completion_tokens / 3
+
+
 def test_completions_endpoint_is_plain_greedy(client, smollm2):
     model, tokenizer = smollm2
     prompt = "The capital of France is Paris. The capital of Italy is"
