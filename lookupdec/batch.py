@@ -156,6 +156,9 @@ class BatchRun:
         self.counts = np.zeros(0, dtype=np.int64)
         self._feed = host_buffer(0, self.device)
         self._seconds = 0.0  # the last pass's forward time
+        # One row whose cache holds no hole or padding: its passes run as a single-row generation's do, without a
+        # mask or positions (which would make the model build a full attention mask every step).
+        self._solo = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -175,6 +178,7 @@ class BatchRun:
         self.rows = list(rows)
         self.kv_mask = mask
         self.counts = lengths.cpu().numpy().astype(np.int64)
+        self._solo = False
 
     def join(self, row: Row) -> None:
         """Add ``row`` to the batch before the next step: its prompt is prefilled alone (the pass a single-row
@@ -184,6 +188,7 @@ class BatchRun:
         logits = self._forward(row.prompt, 1, cache)  # [1, 1, vocab]
         self._first_tokens([row], logits)
         new_mask = torch.ones((1, row.prompt_len), dtype=torch.bool, device=self.device)
+        self._solo = not self.rows
         if not self.rows:
             self.cache, self.kv_mask = cache, new_mask
         else:
@@ -208,7 +213,9 @@ class BatchRun:
             self.rows = [self.rows[i] for i in keep]
         else:
             done = []
-        self.kv_mask = _compact(self.cache, self.kv_mask, int(self.counts.max()))
+        solo = len(self.rows) == 1
+        self.kv_mask = _compact(self.cache, self.kv_mask, int(self.counts.max()), force=solo and not self._solo)
+        self._solo = solo
         self._pass()
         return done
 
@@ -232,8 +239,11 @@ class BatchRun:
         feed_mask = torch.from_numpy(np.arange(span) <= lens[:, None]).to(self.device)  # [rows, span]
         for i, row in enumerate(rows):
             row.seq[0, row.cur: row.cur + lens[i]] = feed[i, 1: lens[i] + 1]
-        positions = torch.from_numpy(self.counts[:, None] + np.arange(span)).to(self.device)
-        logits = self._forward(feed, span, self.cache, torch.cat([self.kv_mask, feed_mask], dim=1), positions)
+        if self._solo:
+            logits = self._forward(feed, span, self.cache)
+        else:
+            positions = torch.from_numpy(self.counts[:, None] + np.arange(span)).to(self.device)
+            logits = self._forward(feed, span, self.cache, torch.cat([self.kv_mask, feed_mask], dim=1), positions)
         drafter.observe(len(rows), span - 1, self._seconds)
 
         accepted = np.zeros(len(rows), dtype=np.int64)
@@ -321,7 +331,7 @@ def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([mask.new_zeros((mask.shape[0], width - mask.shape[1])), mask], dim=1)
 
 
-def _compact(cache, kv_mask: torch.Tensor, longest: int) -> torch.Tensor:
+def _compact(cache, kv_mask: torch.Tensor, longest: int, *, force: bool = False) -> torch.Tensor:
     """Squeeze the masked holes out of the cache once they take more room than the tokens do, so memory stays
     proportional to the longest row.
 
@@ -339,7 +349,7 @@ def _compact(cache, kv_mask: torch.Tensor, longest: int) -> torch.Tensor:
     moving slots changes nothing a query sees.
     """
     slots = kv_mask.shape[1]
-    if slots <= 2 * longest + _COMPACT_SLACK:
+    if slots == longest or (slots <= 2 * longest + _COMPACT_SLACK and not force):
         return kv_mask
     # A stable sort of the mask puts each row's holes first and its tokens last, both in their original order.
     order = torch.sort(kv_mask.to(torch.uint8), dim=1, stable=True).indices[:, slots - longest:]
