@@ -10,7 +10,8 @@ Workload: the same requests at every concurrency level, all greedy (``temperatur
 Python functions (``benchmarks/workloads.py``), sent to lookupdec with the file's text as the OpenAI ``prediction``,
 and open-ended prompts (the control: nothing to copy). ``transformers serve`` gets no ``prediction`` (it names the
 field as unsupported and ignores it). At each level a closed loop of that many clients sends the requests; the
-servers run one at a time, in alternating order, so they never compete for the CPU.
+servers run one at a time, in alternating order, so they never compete for the CPU. lookupdec gets a fresh server
+for each level (its in-memory cache of earlier outputs would draft repeated requests from their own answers).
 
 Reported per server and level: median and p95 latency (p95 by nearest rank: with few requests it is close to
 the maximum), output tokens per second (all output tokens over the level's wall time; tokens are counted by
@@ -28,10 +29,10 @@ Writes ``soak.json``; exits 1 when a check failed.
 
 Examples::
 
-    python -m benchmarks.serve --quick                       # ~5 min on 2 cores: 8 requests, 128 tokens, c = 1 4 8
-    python -m benchmarks.serve                               # the full run, ~25 min: 16 requests, 256 tokens, 2 reps
-    python -m benchmarks.serve --servers transformers --levels 4 --tf-mode cb    # one server, one level
-    python -m benchmarks.serve --soak 600                    # 10 minutes of lookupdec at concurrency 8
+    python -m benchmarks.serve --quick        # 8 requests, 96 tokens, c = 1 4 8: ~5-6 min on 2 idle cores
+    python -m benchmarks.serve                # 12 requests, 256 tokens, 2 reps: ~30 min
+    python -m benchmarks.serve --servers transformers --levels 4 --tf-mode sequential   # one server, one level
+    python -m benchmarks.serve --soak 600     # 10 minutes of lookupdec alone at concurrency 8
 """
 
 from __future__ import annotations
@@ -61,11 +62,14 @@ from benchmarks.workloads import SUITES
 
 SERVERS = ("lookupdec", "transformers")
 # transformers serve runs requests one at a time through model.generate ("sequential") or with its continuous
-# batching ("cb", paged attention, one shared generation config). Measured at concurrency 4 with 8 requests of
-# 128 tokens on this 2-core CPU: see benchmarks/README.md. The winner is the default.
+# batching ("cb": paged attention, one generation config shared by all requests, the first one's). At concurrency 4
+# (8 requests, 128 tokens, one torch thread, 2-core CPU) cb gave 24.7 and 21.6 tok/s to sequential's 12.3 and 11.1,
+# with identical texts, so it is the default (benchmarks/README.md). Its KV cache is sized here (cb_blocks).
 TF_MODES = ("sequential", "cb")
-DEFAULT_TF_MODE = "sequential"
+DEFAULT_TF_MODE = "cb"
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # lookupdec's names -> transformers'
 STARTUP_TIMEOUT_S = 300  # a first load converts the GGUF file (~20 s) and may calibrate; slow shared machines
+CB_PAGE_TOKENS = 256  # tokens per KV block of transformers' continuous batching (ContinuousBatchingConfig.page_size)
 REQUEST_TIMEOUT_S = 900  # one request at concurrency 8 on 2 cores can wait behind seven others
 SOAK_MALFORMED_EVERY = 20  # one request in 20 (5%) is malformed
 
@@ -103,16 +107,23 @@ def build_requests(n_requests: int, max_tokens: int) -> list[Request]:
     mixes the kinds, so every concurrency level sees the same mix from its first batch on."""
     yaml, code, open_ = SUITES["yaml"](), SUITES["code"](), SUITES["open"]()
     edits = [p for pair in itertools.zip_longest(yaml, code) for p in pair if p is not None]
-    n_open = max(1, n_requests // 4)
-    n_edit = n_requests - n_open
+    n_edit, n_open = _split(n_requests)
     if n_edit > len(edits) or n_open > len(open_):
-        raise BenchError(f"--requests {n_requests}: workloads.py has {len(edits)} edit and {len(open_)} open prompts "
-                         f"(at most {min(len(edits) + len(edits) // 3, len(open_) * 4)} requests)")
+        most = max(n for n in range(1, 4 * len(open_) + 4)
+                   if _split(n)[0] <= len(edits) and _split(n)[1] <= len(open_))
+        raise BenchError(f"--requests {n_requests}: workloads.py has {len(edits)} edit and {len(open_)} open prompts, "
+                         f"enough for {most} requests at most")
     picked = [Request(p.name, "edit", p.user, edit_text(p.user), max_tokens) for p in edits[:n_edit]]
     opens = [Request(p.name, "open", p.user, None, max_tokens) for p in open_[:n_open]]
     for i, req in enumerate(opens):  # one open prompt after every three edits
         picked.insert(min(4 * i + 3, len(picked)), req)
     return picked
+
+
+def _split(n_requests: int) -> tuple[int, int]:
+    """(edits, open prompts) among `n_requests`: one in four open, at least one."""
+    n_open = max(1, n_requests // 4)
+    return n_requests - n_open, n_open
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -165,25 +176,31 @@ class Server:
     its output in a log file, waited for on /health, stopped with SIGTERM then SIGKILL."""
 
     def __init__(self, name: str, argv: list[str], env: dict, log: Path):
-        self.name, self.argv, self.env, self.log = name, argv, env, log
-        self.port = free_port()
-        self.argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.name, self.base_argv, self.env, self.log = name, argv, env, log
+        self.argv: list[str] = []
+        self.port = 0
         self.proc: subprocess.Popen | None = None
         self.model_id: str | None = None
         self.started = self.ready_s = None
+        self.starts = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.port = free_port()
+        self.argv = [*self.base_argv, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("w") as out:
+        with self.log.open("w" if self.starts == 0 else "a") as out:
             out.write("$ " + " ".join(self.argv) + "\n")
             out.flush()
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+                                         env=self.env, start_new_session=True,
+                                         # only a prctl call runs there, and no thread of ours holds a lock then
+                                         preexec_fn=_die_with_parent)  # noqa: PLW1509
         self.started = time.perf_counter()
+        self.starts += 1
 
     def wait_ready(self, timeout: float) -> None:
         """Poll /health until it answers 200, then read the model name from /v1/models."""
@@ -208,7 +225,7 @@ class Server:
 
     def last_log_line(self) -> str:
         lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
-        return lines[-1][:300] if len(lines) > 1 else "(no output)"
+        return lines[-1][:300] if lines and not lines[-1].startswith("$ ") else "(no output)"
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -276,6 +293,7 @@ def server_env(threads: int) -> dict:
     # it cannot fork-warn or take a core from the model.
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
+    env.pop("LOOKUPDEC_API_KEY", None)  # the servers are local and private to this run: no auth
     return env
 
 
@@ -285,7 +303,8 @@ def _executable(name: str, module_fallback: list[str]) -> list[str]:
 
 
 def lookupdec_server(args, env: dict) -> Server:
-    argv = [*_executable("lookupdec", ["-m", "lookupdec.cli"]), "serve"]
+    argv = [*_executable("lookupdec", ["-m", "lookupdec.cli"]), "serve", "--device", args.device,
+            "--dtype", args.dtype]
     if args.model:
         argv += ["--model", args.model]
     if args.max_batch:
@@ -295,16 +314,25 @@ def lookupdec_server(args, env: dict) -> Server:
     return Server("lookupdec", argv, env, args.out / "serve-lookupdec.log")
 
 
-def transformers_server(args, env: dict, source: str) -> Server:
+def cb_blocks(requests: list[Request], tokenizer, concurrency: int) -> int:
+    """KV blocks for transformers' continuous batching: room for `concurrency` of the longest requests, twice over.
+    Left to itself on a CPU it sizes its paged cache from free system RAM (90%): 10.7 GB of RSS on a 23 GB
+    machine, allocated at the first request, for a model whose eight requests here need a few hundred MB."""
+    longest = max(len(tokenizer.apply_chat_template([{"role": "user", "content": r.user}], add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"]) + r.max_tokens for r in requests)
+    return max(16, 2 * -(-concurrency * longest // CB_PAGE_TOKENS))
+
+
+def transformers_server(args, env: dict, source: str, blocks: int) -> Server:
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
         raise BenchError("transformers serve needs its serving extras (fastapi, uvicorn, openai, pydantic): "
                          "pip install 'transformers[serving]'")
     argv = [*_executable("transformers", ["-c", "from transformers.cli.transformers import main; main()"]),
-            "serve", source, "--device", args.device, "--dtype", args.dtype, "--log-level", "warning"]
+            "serve", source, "--device", args.device, "--dtype", TORCH_DTYPES[args.dtype], "--log-level", "warning"]
     if args.tf_mode == "cb":
-        argv.append("--continuous-batching")
+        argv += ["--continuous-batching", "--cb-num-blocks", str(blocks)]
     return Server("transformers", argv, env, args.out / "serve-transformers.log")
 
 
@@ -322,7 +350,7 @@ class Result:
     seconds: float
     text: str | None
     tokens: int  # the returned text tokenized with the model's tokenizer (the same count on both servers)
-    completion_tokens: int  # as the server's usage reports it (transformers counts the EOS token it generated)
+    completion_tokens: int  # as the server's usage reports it (both servers count a generated EOS token)
     accepted: int | None = None
     rejected: int | None = None
     error: str | None = None
@@ -337,8 +365,8 @@ def _openai():
 
 
 async def _send(client, server: Server, req: Request, level: int, rep: int, tokenizer) -> Result:
-    kw = dict(model=server.model_id, messages=[{"role": "user", "content": req.user}], max_tokens=req.max_tokens,
-              temperature=0)
+    kw = {"model": server.model_id, "messages": [{"role": "user", "content": req.user}],
+          "max_tokens": req.max_tokens, "temperature": 0}
     if server.name == "lookupdec" and req.prediction is not None:
         kw["prediction"] = {"type": "content", "content": req.prediction}
     start = time.perf_counter()
@@ -378,12 +406,22 @@ def drive(server, requests, level, rep, tokenizer):
     return asyncio.run(_drive(server, requests, level, rep, tokenizer))
 
 
-def warm_up(server: Server, requests: list[Request], tokenizer, width: int) -> None:
-    """Untimed: first-call costs (JIT, calibration, continuous batching's start-up) on every path a level uses."""
-    short = [Request(r.name, r.kind, r.user, r.prediction, 16) for r in requests]
-    drive(server, short[:1], 1, -1, tokenizer)
+# Warm-up prompts outside the workload: lookupdec's rolling cache remembers every output, so warming up on the
+# measured prompts would hand it their answers.
+WARMUP = [
+    Request("warmup-edit", "edit", "```yaml\nname: demo\nreplicas: 2\nimage: nginx:1.25\n```\n\nChange the replicas "
+            "to 3. Reply with the complete updated file in one ```yaml block and nothing else.",
+            "name: demo\nreplicas: 2\nimage: nginx:1.25\n", 16),
+    Request("warmup-open", "open", "Name three colours.", None, 16),
+]
+
+
+def warm_up(server: Server, tokenizer, width: int) -> None:
+    """Untimed: first-call costs (JIT, continuous batching's start-up) on every path a level uses: one request
+    alone, then `width` at once."""
+    drive(server, WARMUP[:1], 1, -1, tokenizer)
     if width > 1:
-        drive(server, (short * width)[:width], width, -1, tokenizer)
+        drive(server, (WARMUP * width)[:width], width, -1, tokenizer)
 
 
 def p95(values: list[float]) -> float:
@@ -449,14 +487,17 @@ def markdown(summary: dict, meta: dict) -> str:
     def f(v, digits=2):
         return "-" if v is None else f"{v:.{digits}f}"
 
-    lines = [f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, {meta['requests']} requests "
-             f"({meta['edits']} edits with a prediction for lookupdec, {meta['opens']} open) per level, "
-             f"max_tokens={meta['max_tokens']}, greedy, reps={meta['reps']}, {meta['threads']} torch threads per "
-             f"server, transformers serve in {meta['tf_mode']} mode; {meta['seconds']} s in all.", "",
-             "Per server and concurrency (latency in seconds per request; tok/s = output tokens over wall time; "
-             "stable = same text as this server at the lowest level):", "",
-             "| c | server | requests | errors | median s | p95 s | median edit s | median open s | out tok/s "
-             "| accepted / rejected | stable |", "|" + "---|" * 11]
+    lookupdec_servers = ("one lookupdec server throughout" if meta["keep_cache"]
+                         else "a fresh lookupdec server per level")
+    lines = [(f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, {meta['requests']} requests "
+              f"({meta['edits']} edits with a prediction for lookupdec, {meta['opens']} open) per level, "
+              f"max_tokens={meta['max_tokens']}, greedy, reps={meta['reps']}, {meta['threads']} torch threads per "
+              f"server, transformers serve in {meta['tf_mode']} mode, {lookupdec_servers}; "
+              f"{meta['seconds']} s in all."), "",
+             ("Per server and concurrency (latency in seconds per request; tok/s = output tokens over wall time; "
+              "stable = same text as this server at the lowest level):"), "",
+             ("| c | server | requests | errors | median s | p95 s | median edit s | median open s | out tok/s "
+              "| accepted / rejected | stable |"), "|" + "---|" * 11]
     for key, row in summary["servers"].items():
         server, level = key.split("@")
         acc = f"{row['accepted']} / {row['rejected']}" if "accepted" in row else "-"
@@ -464,8 +505,8 @@ def markdown(summary: dict, meta: dict) -> str:
                      f"| {f(row['p95_s'])} | {f(row['median_edit_s'])} | {f(row['median_open_s'])} "
                      f"| {f(row['tok_s'], 1)} | {acc} | {row['stable']}/{row['requests'] - row['errors']} |")
     if summary["ratios"]:
-        lines += ["", "lookupdec / transformers, same run (latency < 1 and throughput > 1 favour lookupdec; "
-                  "identical = same greedy text from both servers):", "",
+        lines += ["", ("lookupdec / transformers, same run (latency < 1 and throughput > 1 favour lookupdec; "
+                       "identical = same greedy text from both servers):"), "",
                   "| c | median latency | p95 latency | throughput | identical |", "|---|---|---|---|---|"]
         for level, r in summary["ratios"].items():
             lines.append(f"| {level} | {f(r['median_latency'])} | {f(r['p95_latency'])} | {f(r['throughput'])} "
@@ -479,23 +520,41 @@ def markdown(summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[list[Result], dict]:
+def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[list[Result], dict, dict]:
+    """Every (repetition, level) is a turn; in each, the servers run the requests one after the other, in an order
+    that alternates from turn to turn. Unless --keep-cache, lookupdec gets a fresh server for each turn after the
+    first: its in-memory rolling cache of earlier outputs would otherwise draft each repeated request from its own
+    earlier answer, which no real workload offers. (transformers serve keeps running; its continuous batching shares
+    KV blocks of repeated prompt prefixes, which saves it some prefill.)"""
     names = [s for s in SERVERS if s in servers]
+    width = min(4, max(args.levels))
     for name in names:
-        print(f"warming up {name}...", file=sys.stderr, flush=True)
-        warm_up(servers[name], requests, tokenizer, min(4, max(args.levels)))
-    results, walls = [], {}
+        note(f"warming up {name}...")
+        warm_up(servers[name], tokenizer, width)
+    results, walls, cpu_share = [], {}, {}
     for turn, (rep, level) in enumerate(itertools.product(range(args.reps), args.levels)):
         order = names if turn % 2 == 0 else names[::-1]  # alternate who goes first: drift hits both alike
         for name in order:
-            rs, wall = drive(servers[name], requests, level, rep, tokenizer)
+            server = servers[name]
+            if name == "lookupdec" and turn > 0 and not args.keep_cache:
+                server.stop()
+                server.start()
+                server.wait_ready(args.startup_timeout)
+                warm_up(server, tokenizer, width)
+            cpu = server.cpu_seconds()
+            rs, wall = drive(server, requests, level, rep, tokenizer)
+            # The server's CPU time over the wall time: about its thread count when it had the cores to itself,
+            # well below when another process took them (this machine is shared) or it waited on the client.
+            busy = (server.cpu_seconds() - cpu) / wall if cpu is not None else None
             results += rs
             walls[(name, level, rep)] = wall
+            cpu_share[(name, level, rep)] = busy
             ok = [r for r in rs if r.error is None]
-            print(f"rep {rep} c={level} {name}: {wall:.1f} s, {sum(r.tokens for r in ok) / wall:.1f} tok/s"
-                  + (f", {len(rs) - len(ok)} errors ({rs[[r.error is None for r in rs].index(False)].error})"
-                     if len(ok) < len(rs) else ""), file=sys.stderr, flush=True)
-    return results, walls
+            errors = [r.error for r in rs if r.error is not None]
+            note(f"rep {rep} c={level} {name}: {wall:.1f} s, {sum(r.tokens for r in ok) / wall:.1f} tok/s, "
+                 f"server CPU {busy or 0:.2f} of wall, load average {os.getloadavg()[0]:.1f}"
+                 + (f", {len(errors)} errors (first: {errors[0]})" if errors else ""))
+    return results, walls, cpu_share
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -514,19 +573,19 @@ def soak(args, server: Server, requests: list[Request]) -> int:
             out["prediction"] = {"type": "content", "content": req.prediction}
         return out
 
-    good = requests[0]
+    good = body(requests[0])
     malformed = {  # kind -> raw request body
         "bad_json": b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", "content": "hi"',
-        "n_2": json.dumps({**body(good), "n": 2}).encode(),
+        "n_2": json.dumps({**good, "n": 2}).encode(),
         "no_messages": json.dumps({"model": model, "max_tokens": 8}).encode(),
-        "unknown_model": json.dumps({**body(good), "model": "no-such-model"}).encode(),
-        "tools": json.dumps({**body(good), "tools": [{"type": "function", "function": {
+        "unknown_model": json.dumps({**good, "model": "no-such-model"}).encode(),
+        "tools": json.dumps({**good, "tools": [{"type": "function", "function": {
             "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]}).encode(),
-        # ~60k tokens, far past SmolLM2's 8,192-token context (and any small model's)
-        "oversized": json.dumps({**body(good), "messages": [{"role": "user", "content": "lorem ipsum " * 30000}]
-                                 }).encode(),
+        # ~60k tokens: far past SmolLM2's 8,192-token context (and any small model's)
+        "oversized": json.dumps({**good, "messages": [{"role": "user", "content": "lorem ipsum " * 30000}]}).encode(),
     }
-    print(f"soak: reference outputs of {len(requests)} requests sent alone...", file=sys.stderr, flush=True)
+    rss_ready = server.rss_mib()
+    note(f"soak: reference outputs of {len(requests)} requests sent alone...")
     reference = {}
     for req in requests:
         status, raw = http_post(url, json.dumps(body(req)).encode(), REQUEST_TIMEOUT_S)
@@ -534,88 +593,88 @@ def soak(args, server: Server, requests: list[Request]) -> int:
             raise BenchError(f"soak: {req.name} sent alone got HTTP {status}: {raw[:200]!r}")
         reference[req.name] = json.loads(raw)["choices"][0]["message"]["content"]
 
-    rss = [(0.0, server.rss_mib())]
     lock = threading.Lock()
-    counter = itertools.count()
-    kinds = itertools.cycle(malformed)
-    tally = {"well_formed": 0, "well_formed_ok": 0, "malformed": {k: {"sent": 0, "ok": 0, "statuses": {}}
-                                                                   for k in malformed},
-             "status_5xx": 0, "failures": []}
-    start = time.monotonic()
-    deadline = start + args.soak
+    tally = {"well_formed": 0, "well_formed_ok": 0, "status_5xx": 0, "failures": [],
+             "malformed": {kind: {"sent": 0, "ok": 0, "statuses": {}} for kind in malformed}}
 
     def fail(what: str) -> None:
         with lock:
-            if len(tally["failures"]) < 50:
+            if len(tally["failures"]) < 50:  # the first 50 say enough; the counts say the rest
                 tally["failures"].append(what)
+
+    def send_malformed(kind: str) -> None:
+        status, raw = http_post(url, malformed[kind], 120)
+        ok, why = _openai_error(status, raw)
+        with lock:
+            entry = tally["malformed"][kind]
+            entry["sent"] += 1
+            entry["ok"] += ok
+            entry["statuses"][str(status)] = entry["statuses"].get(str(status), 0) + 1
+            tally["status_5xx"] += status >= 500
+        if not ok:
+            fail(f"{kind}: {why}")
+
+    def send_good(req: Request) -> None:
+        status, raw = http_post(url, json.dumps(body(req)).encode(), REQUEST_TIMEOUT_S)
+        with lock:
+            tally["well_formed"] += 1
+            tally["status_5xx"] += status >= 500
+        if status != 200:
+            fail(f"{req.name}: HTTP {status}: {raw[:200]!r}")
+        elif json.loads(raw)["choices"][0]["message"]["content"] != reference[req.name]:
+            fail(f"{req.name}: text differs from the same request sent alone")
+        else:
+            with lock:
+                tally["well_formed_ok"] += 1
+
+    for kind in malformed:  # each kind once on an idle server, so even a short soak covers them all
+        send_malformed(kind)
+    rss = [(0.0, server.rss_mib())]
+    counter = itertools.count()
+    kinds = itertools.cycle(malformed)
+    start = time.monotonic()
+    deadline = start + args.soak
 
     def worker() -> None:
         while time.monotonic() < deadline:
             with lock:
                 i = next(counter)
                 kind = next(kinds) if i % SOAK_MALFORMED_EVERY == SOAK_MALFORMED_EVERY - 1 else None
-            if kind is None:
-                req = requests[i % len(requests)]
-                try:
-                    status, raw = http_post(url, json.dumps(body(req)).encode(), REQUEST_TIMEOUT_S)
-                except OSError as err:
-                    fail(f"{req.name}: no answer ({err})")
-                    continue
-                with lock:
-                    tally["well_formed"] += 1
-                    tally["status_5xx"] += status >= 500
-                if status != 200:
-                    fail(f"{req.name}: HTTP {status}: {raw[:200]!r}")
-                    continue
-                text = json.loads(raw)["choices"][0]["message"]["content"]
-                if text != reference[req.name]:
-                    fail(f"{req.name}: text differs from the same request sent alone")
-                    continue
-                with lock:
-                    tally["well_formed_ok"] += 1
-            else:
-                try:
-                    status, raw = http_post(url, malformed[kind], 120)
-                except OSError as err:
-                    fail(f"{kind}: no answer ({err})")
-                    continue
-                ok, why = _openai_error(status, raw)
-                with lock:
-                    entry = tally["malformed"][kind]
-                    entry["sent"] += 1
-                    entry["ok"] += ok
-                    entry["statuses"][str(status)] = entry["statuses"].get(str(status), 0) + 1
-                    tally["status_5xx"] += status >= 500
-                if not ok:
-                    fail(f"{kind}: {why}")
+            try:
+                send_malformed(kind) if kind else send_good(requests[i % len(requests)])
+            except Exception as err:  # noqa: BLE001 - no answer, a body that is not JSON, ...: a failure, not a crash
+                fail(f"{kind or requests[i % len(requests)].name}: {type(err).__name__}: {err}"[:300])
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(8)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
+    workers = [threading.Thread(target=worker, daemon=True) for _ in range(8)]
+    for thread in workers:
+        thread.start()
+    next_note = 60
+    while any(thread.is_alive() for thread in workers):
         time.sleep(5)
         rss.append((round(time.monotonic() - start, 1), server.rss_mib()))
-        done = time.monotonic() - start
-        if int(done) % 60 < 5:
-            print(f"soak: {done:.0f}/{args.soak} s, {tally['well_formed']} well-formed, "
-                  f"{sum(m['sent'] for m in tally['malformed'].values())} malformed, "
-                  f"{len(tally['failures'])} failures, RSS {rss[-1][1]:.0f} MiB", file=sys.stderr, flush=True)
+        if time.monotonic() - start >= next_note:
+            next_note += 60
+            note(f"soak: {time.monotonic() - start:.0f}/{args.soak:.0f} s, {tally['well_formed']} well-formed, "
+                 f"{sum(m['sent'] for m in tally['malformed'].values())} malformed, {len(tally['failures'])} "
+                 f"failures, RSS {rss[-1][1]:.0f} MiB")
     alive = server.proc.poll() is None
     health = http_get(server.url + "/health", 5)[0] if alive else None
-    report = {"seconds": args.soak, "rss_mib": {"start": rss[0][1], "end": rss[-1][1],
-                                                "max": max(v for _, v in rss if v is not None)},
+    sizes = [v for _, v in rss if v is not None]
+    report = {"seconds": args.soak, "concurrency": 8, "max_tokens": requests[0].max_tokens,
+              "rss_mib": {"ready": rss_ready, "start": rss[0][1], "end": rss[-1][1], "max": max(sizes)},
               "rss_timeline": rss, "alive_at_end": alive, "health_at_end": health, **tally}
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     n_bad = sum(m["sent"] for m in tally["malformed"].values())
-    print(f"\nsoak {args.soak} s: {tally['well_formed']} well-formed ({tally['well_formed_ok']} right), {n_bad} "
-          f"malformed ({sum(m['ok'] for m in tally['malformed'].values())} with a 4xx OpenAI error), "
-          f"{tally['status_5xx']} 5xx; RSS {rss[0][1]:.0f} -> {rss[-1][1]:.0f} MiB (max {report['rss_mib']['max']:.0f})")
+    print(f"\nsoak {args.soak:.0f} s at concurrency 8: {tally['well_formed']} well-formed "
+          f"({tally['well_formed_ok']} with the text they got alone), {n_bad} malformed "
+          f"({sum(m['ok'] for m in tally['malformed'].values())} with a 4xx OpenAI error body), "
+          f"{tally['status_5xx']} 5xx; server RSS {rss_ready:.0f} MiB when ready, {rss[0][1]:.0f} at the start of "
+          f"the soak, {rss[-1][1]:.0f} at its end (max {max(sizes):.0f})")
     for kind, m in tally["malformed"].items():
         print(f"  {kind}: {m['ok']}/{m['sent']} right, statuses {m['statuses']}")
     for line in tally["failures"][:20]:
         print(f"  FAIL {line}")
-    passed = (not tally["failures"] and tally["status_5xx"] == 0 and alive and health == 200
-              and all(m["sent"] for m in tally["malformed"].values()))
+    passed = not tally["failures"] and tally["status_5xx"] == 0 and alive and health == 200
     print("soak: " + ("passed" if passed else "FAILED") + f"; details in {args.out / 'soak.json'}")
     return 0 if passed else 1
 
@@ -637,6 +696,14 @@ def _openai_error(status: int, raw: bytes) -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+_T0 = time.perf_counter()
+
+
+def note(line: str) -> None:
+    """A progress line on stderr, stamped with the seconds since the start."""
+    print(f"[{time.perf_counter() - _T0:6.0f} s] {line}", file=sys.stderr, flush=True)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -645,17 +712,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="name, .gguf, folder or hub id as lookupdec.load_model takes it "
                                                   "(default: the embedded SmolLM2); it must have a chat template")
-    ap.add_argument("--quick", action="store_true", help="8 requests, 128 tokens, 1 rep (~5 min on 2 cores)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per level (default 16; 8 with --quick)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default 256; 128 quick)")
+    ap.add_argument("--quick", action="store_true", help="8 requests, 96 tokens, 1 rep (~5-6 min on 2 idle cores)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default 12; 8 with --quick)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default 256; 96 quick)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of every level (default 2; 1 quick)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels")
     ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     ap.add_argument("--tf-mode", choices=TF_MODES, default=DEFAULT_TF_MODE,
                     help="transformers serve: model.generate one request at a time, or its continuous batching")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each server")
-    ap.add_argument("--device", default="cpu", help="device of transformers serve (lookupdec serve picks its own)")
-    ap.add_argument("--dtype", default="float32", help="dtype of transformers serve (lookupdec: fp32 on CPU)")
+    # One thread by default: on a shared 2-core machine two threads ran 3.5x slower than one whenever another
+    # process was busy (torch's threads wait on each other at every op), and the client needs a core too.
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each server (default 1)")
+    ap.add_argument("--device", default="cpu", help="device of both servers: cpu, cuda, cuda:N (default cpu)")
+    ap.add_argument("--dtype", choices=list(TORCH_DTYPES), default="fp32", help="dtype of both servers")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="one lookupdec server for the whole run, so its rolling cache of earlier outputs sees every "
+                         "request again at each later level (default: a fresh server per level and repetition)")
     ap.add_argument("--max-batch", type=int, default=None, help="lookupdec serve --max-batch (default: its own)")
     ap.add_argument("--max-queue", type=int, default=None, help="lookupdec serve --max-queue (default: its own)")
     ap.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S)
@@ -663,8 +735,8 @@ def main(argv=None) -> int:
                     help="soak lookupdec alone at concurrency 8 for SECONDS, ~5%% malformed requests")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
-    args.requests = args.requests or (8 if args.quick else 16)
-    args.max_tokens = args.max_tokens or (128 if args.quick else 256)
+    args.requests = args.requests or (8 if args.quick else 12)
+    args.max_tokens = args.max_tokens or (96 if args.quick else 256)
     args.reps = args.reps or (1 if args.quick else 2)
     args.levels = sorted(set(args.levels))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -683,18 +755,19 @@ def main(argv=None) -> int:
         if "lookupdec" in args.servers:
             servers["lookupdec"] = lookupdec_server(args, env)
         if "transformers" in args.servers:
-            servers["transformers"] = transformers_server(args, env, source)
+            blocks = cb_blocks([*requests, *WARMUP], tokenizer, max(args.levels))
+            servers["transformers"] = transformers_server(args, env, source, blocks)
         for server in servers.values():  # one after the other: two loads at once would each take twice as long
-            print(f"starting {server.name}: {' '.join(server.argv)}", file=sys.stderr, flush=True)
             server.start()
+            note(f"starting {server.name}: {' '.join(server.argv)}")
             server.wait_ready(args.startup_timeout)
-            print(f"{server.name} ready in {server.ready_s:.1f} s, model {server.model_id!r}, "
-                  f"RSS {server.rss_mib():.0f} MiB", file=sys.stderr, flush=True)
+            note(f"{server.name} ready in {server.ready_s:.1f} s, model {server.model_id!r}, "
+                 f"RSS {server.rss_mib():.0f} MiB")
         if args.soak:
             return soak(args, servers["lookupdec"], requests)
         started = time.perf_counter()
         load = os.getloadavg()
-        results, walls = benchmark(args, servers, requests, tokenizer)
+        results, walls, cpu_share = benchmark(args, servers, requests, tokenizer)
         summary = summarize(results, walls, [s for s in SERVERS if s in servers], args.levels)
         meta = {
             "date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model or "SmolLM2-135M-Instruct (embedded)",
@@ -702,15 +775,16 @@ def main(argv=None) -> int:
             f"{args.device} {args.dtype}", "threads": args.threads, "tf_mode": args.tf_mode,
             "requests": len(requests), "edits": sum(r.kind == "edit" for r in requests),
             "opens": sum(r.kind == "open" for r in requests), "max_tokens": args.max_tokens, "reps": args.reps,
-            "levels": args.levels, "seconds": round(time.perf_counter() - started, 1),
+            "levels": args.levels, "keep_cache": args.keep_cache, "seconds": round(time.perf_counter() - started, 1),
             "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
             "servers": {s.name: {"argv": s.argv, "ready_s": round(s.ready_s, 1), "model_id": s.model_id,
-                                 "rss_mib_end": s.rss_mib()} for s in servers.values()},
+                                 "starts": s.starts, "rss_mib_end": s.rss_mib()} for s in servers.values()},
             "command": "python -m benchmarks.serve " + " ".join(sys.argv[1:] if argv is None else argv),
         }
         (args.out / "serve.json").write_text(json.dumps(
             {"meta": meta, "summary": {**summary, "ratios": {str(k): v for k, v in summary["ratios"].items()}},
-             "walls": {f"{s}@{c}#{rep}": w for (s, c, rep), w in walls.items()},
+             "turns": {f"{s}@{c}#{rep}": {"wall_s": w, "server_cpu_share": cpu_share[(s, c, rep)]}
+                       for (s, c, rep), w in walls.items()},
              "results": [asdict(r) for r in results]}, indent=1))
         table = markdown(summary, meta)
         (args.out / "serve.md").write_text(table)
