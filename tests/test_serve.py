@@ -291,6 +291,32 @@ def test_models_lists_the_one_model(client):
         client.models.retrieve("other")
 
 
+def test_a_request_that_fails_inside_the_engine_fails_alone(client, server, monkeypatch):
+    # A fault while starting one request (here: injected) answers that request with a 500 in OpenAI's shape, no
+    # traceback, and the request running beside it finishes with its solo answer.
+    url, engine = server
+    kwargs = dict(model=MODEL, messages=EDIT, temperature=0, max_tokens=32)
+    solo = client.chat.completions.create(**kwargs).choices[0].message.content
+    real_row = engine._row
+
+    def faulty(ticket):
+        if ticket.req.messages[-1]["content"] == "boom":
+            raise RuntimeError("injected")
+        return real_row(ticket)
+
+    monkeypatch.setattr(engine, "_row", faulty)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault(
+        "text", client.chat.completions.create(**kwargs).choices[0].message.content))
+    worker.start()
+    r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "boom"}], "max_tokens": 4})
+    worker.join(timeout=120)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "Traceback" not in r.text and "injected" not in r.text
+    assert result["text"] == solo
+
+
 def _running(url) -> int:
     return httpx.get(url + "/health", timeout=10).json()["running"]
 
