@@ -153,6 +153,44 @@ class ModelEngine:
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Completion(prompt.prefill + text, tuple(new), passes, seconds)
 
+    def departures(self, prompt: Prompt, done: Completion, limit: int) -> list[str]:
+        """Starts of the model's most likely answers to ``prompt`` other than ``done`` (its greedy answer), as
+        text to prefill: ``done``'s first ``i`` tokens and then a token the model ranked below the one it chose,
+        for every ``i``, the ``limit`` most likely by the log-probability of that start. Tokens that only
+        re-spell the chosen one (``" info"`` for ``"info"``) are skipped.
+
+        One forward pass over the prompt and ``done`` scores every start. An edit uses this when the model copied
+        a line the instruction is about: its second choice there is usually the edit (``level: info`` ->
+        ``debug`` was ranked second, at log-probability -2.7 against -0.1).
+        """
+        import torch
+
+        ids = self.encode(prompt)  # [1, prompt_len]
+        answer = list(done.token_ids)
+        if not answer:
+            return []
+        full = torch.cat([ids, torch.tensor([answer], dtype=ids.dtype)], dim=1)  # [1, prompt_len + answer_len]
+        with torch.inference_mode(), _transformers_errors_only():
+            logits = self.model(full.to(self.model.device)).logits[0, ids.shape[1] - 1: -1]  # [answer_len, vocab]
+        logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+        chosen = logp[torch.arange(len(answer)), torch.tensor(answer)]  # [answer_len]
+        before = torch.cat([torch.zeros(1), torch.cumsum(chosen, 0)[:-1]])  # log-probability of answer[:pos]
+        width = min(limit + 4, logp.shape[1])
+        top = torch.topk(logp, width, dim=-1)  # [answer_len, width]
+        special = set(self.tokenizer.all_special_ids)
+        starts = []
+        for pos in range(len(answer)):
+            same = self.tokenizer.decode([answer[pos]]).strip()
+            for value, token in zip(top.values[pos].tolist(), top.indices[pos].tolist(), strict=True):
+                if token == answer[pos] or token in special:
+                    continue
+                if self.tokenizer.decode([token]).strip() == same:
+                    continue
+                starts.append((before[pos].item() + value, pos, token))
+        starts.sort(key=lambda s: -s[0])
+        return [prompt.prefill + self.tokenizer.decode(answer[:pos] + [token], skip_special_tokens=True)
+                for _, pos, token in starts[:limit]]
+
     def complete_many(self, prompts: Sequence[Prompt], budgets: Sequence[int],
                       progress: TokenProgress | None = None, traces=None) -> list[Completion]:
         """Greedy lookup answers to several prompts in one batch (``lookupdec.generate`` on left-padded rows);

@@ -4,7 +4,9 @@ written on its own.
 Nothing is written for a file unless its result validated: to ``show`` (the command's stdout), to ``-o``, or over
 the file with ``--in-place`` (keeping ``FILE.bak``), always through ``lookupdec._fs.atomic_write``. A run ends with
 a :class:`~lookupdec.reformat.validate.ReformatError` (message and exit code) when it cannot start, when an
-instruction's section is rejected, or when a file's result is.
+instruction's section is rejected at every grain, when an instruction cannot be made section by section (it asks
+to sort, move or merge things and the file needs several sections), when the model cannot tell which of several
+equally named entries an instruction means, or when a file's result is rejected.
 
 JSON. ``--to json`` serializes the validated YAML result with ``json.dumps``: asked to write JSON itself, the
 embedded model got 2 of 14 real config sections right (it invents keys and nests values), and a plain conversion
@@ -23,9 +25,11 @@ import yaml
 
 from lookupdec._fs import atomic_write
 
-from .editor import Editor, Job, Plan, flatten, plan_sections
+from .editor import Editor, FileFocus, Job, Plan, describe_sections, flatten, plan_sections
+from .focus import unasked_change
 from .engine import TokenProgress, compare_methods, open_engine
 from .sections import join_sections
+from .yamldata import diff, same
 from .validate import (
     EXIT_REJECTED,
     EXIT_USAGE,
@@ -114,6 +118,7 @@ class FileRun:
     converted: str | None = None  # with --to json: the original as JSON
     plan: Plan | None = None
     pieces: list = None  # (Section, None) for sections copied through, Job for the others, in file order
+    focus: FileFocus | None = None  # with an instruction: what it is about in this file
 
 
 def read_file(file: Path, to: str, output: Path | None, in_place: bool) -> FileRun:
@@ -192,6 +197,9 @@ def reformat_files(files: Sequence[Path], options: ReformatOptions, say: Callabl
     engine = open_engine(options.model, progress=not options.quiet, device=options.device, dtype=options.dtype)
     for run in runs:
         run.plan = plan_sections(run.text, engine, options.instruction, options.max_new_tokens, run.shown)
+        if options.instruction is not None:
+            run.focus = FileFocus(run.text, run.original, options.instruction)
+            refuse_structural(run)
     if options.lookup:
         engine.prepare(say)
 
@@ -204,11 +212,14 @@ def reformat_files(files: Sequence[Path], options: ReformatOptions, say: Callabl
                     trace.start(engine.tokenizer) if trace is not None else None, batch=options.batch)
     jobs = []
     for run in runs:
-        run.pieces = [Job(section, budget, run.shown) if section.edit else (section, None)
+        run.pieces = [Job(section, budget, run.shown, focus=run.focus) if section.edit else (section, None)
                       for section, budget in zip(run.plan.sections, run.plan.budgets, strict=True)]
         jobs += [piece for piece in run.pieces if isinstance(piece, Job)]
     started = time.perf_counter()
     try:
+        for run in runs:
+            if run.focus is not None and run.focus.ambiguous:
+                editor.judge(run.focus, run.shown)
         editor.run(jobs)
     finally:
         progress.close()
@@ -230,6 +241,9 @@ def reformat_files(files: Sequence[Path], options: ReformatOptions, say: Callabl
         f"{seconds:.1f} s ({edited} section{'s' * (edited != 1)}, {kept} kept unchanged)")
     for run, where, docs in written:
         if options.instruction is not None:
+            told = describe_sections(run.shown, [piece for piece in run.pieces if isinstance(piece, Job)])
+            if told:
+                say(told)
             for line in describe_edit(run.original, docs):
                 say(f"{run.shown}: {line}" if several else line)
     if options.compare:
@@ -249,6 +263,17 @@ def reformat_files(files: Sequence[Path], options: ReformatOptions, say: Callabl
         trace.save(say)
 
 
+def refuse_structural(run: FileRun) -> None:
+    """ReformatError (exit code 1) when the instruction asks to sort, move or merge things and the file is edited
+    in several sections: each section would get its own part of such a change, so the result would be partial."""
+    word = run.focus.instruction.structural
+    count = sum(section.edit for section in run.plan.sections)
+    if word is not None and count > 1:
+        raise ReformatError(f"{run.shown}: the instruction asks to {word} things across the file, which cannot be "
+                            f"done in the {count} sections this model can edit at once; nothing was written "
+                            "(a model with a longer context (--model) can take the file whole)")
+
+
 def finish_file(run: FileRun, editor: Editor, instruction: str | None, to: str) -> tuple:
     """The validated result text of one file and its data; ReformatError (exit code 1) when it did not validate."""
     shown = run.shown
@@ -261,10 +286,18 @@ def finish_file(run: FileRun, editor: Editor, instruction: str | None, to: str) 
     except yaml.YAMLError as err:  # every section parsed, so the join is at fault; never write it
         raise ReformatError(f"{shown}: the joined result is not valid YAML ({yaml_error(err)})\n"
                             f"  first differing line: {first_difference(run.text, result_text)}") from None
-    if instruction is None and docs != run.original:
+    if instruction is None and not same(docs, run.original):
         changes = data_changes(run.original, docs)
         raise ReformatError(f"{shown}: the joined result changes the data\n  first change: "
                             f"{changes[0] if changes else 'a value changed type'}")
+    if run.focus is not None:
+        # Every section passed this check alone; the joined file passes it as a whole.
+        changes = diff(run.original, docs)
+        why = unasked_change(changes, run.focus.instruction, run.focus.targets)
+        if why is None and not changes and run.focus.instruction.expects_change:
+            why = "the model did not apply the instruction (the data is unchanged)"
+        if why:
+            raise ReformatError(f"{shown}: the joined result is rejected: {why}; nothing was written")
     if to == "json":
         try:
             result_text = to_json(docs[0])

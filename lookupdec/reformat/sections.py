@@ -3,9 +3,11 @@
 A reformat works on small sections: each top-level block alone (runs of one-line ``key: value`` blocks together,
 since a lone short line invites the model to invent more), cut further into a block's children while larger than
 ``editor.REFORMAT_SECTION_TOKENS``; a section whose answer is rejected is cut one level finer and tried again
-(:func:`split_finer`). An instruction sees the whole file, and sections only when the file is longer than the
-model's context or the ``--max-new-tokens`` budget, because an instruction sent to a section it is not about tends
-to get applied there anyway. Documents (``---``) are always separate sections.
+(:func:`split_finer`). An instruction sees the whole file first, and sections only when the file is longer than the
+model's context or the ``--max-new-tokens`` budget (a capable model keeps a whole-file edit coherent); a rejected
+section of an edit is then cut into the entries the instruction names (``editor.FileFocus``), since an
+instruction sent to a section it is not about tends to get applied there anyway. Documents (``---``) are always
+separate sections.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import yaml
+
+from .yamldata import load
 
 
 @dataclass(frozen=True)
@@ -225,8 +229,8 @@ def _split_block(lines: Sequence[str], first: int, indent: str, too_big: Callabl
         return whole
     dedented = [ln[len(child_indent):] if ln.strip() else ln for ln in children]
     try:
-        block_data = yaml.safe_load("".join(lines))
-        child_data = yaml.safe_load("".join(dedented))
+        block_data = load("".join(lines))
+        child_data = load("".join(dedented))
     except yaml.YAMLError:
         return whole
     if not isinstance(block_data, dict) or len(block_data) != 1 or next(iter(block_data.values())) != child_data:
@@ -238,8 +242,8 @@ def _split_block(lines: Sequence[str], first: int, indent: str, too_big: Callabl
 def _parts_load_to(text: str, parts: Sequence[str]) -> bool:
     """Whether every part loads on its own and the parts together load to what ``text`` loads to."""
     try:
-        whole = yaml.safe_load(text)
-        datas = [yaml.safe_load(p) for p in parts]
+        whole = load(text)
+        datas = [load(p) for p in parts]
     except yaml.YAMLError:
         return False
     if isinstance(whole, dict) and all(isinstance(d, dict) for d in datas):

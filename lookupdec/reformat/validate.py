@@ -5,7 +5,10 @@ Input. A file is refused before any model is loaded when it is missing, a folder
 writable.
 
 Validation. A reformatted section must load to the same data and keep the same comments (none dropped, none
-invented); an edited one must parse. The joined file is checked again before anything is written.
+invented); an edited one must parse, and the file with it in place must change only what the instruction names
+(``editor.FileFocus.check``, ``focus.unasked_change``). The joined file is checked again before anything is
+written. YAML is loaded with unknown tags (``!Ref``, ``!!python/name:...``) kept as opaque values
+(:mod:`~lookupdec.reformat.yamldata`), so such files are valid input.
 
 Errors. A run ends with a :class:`ReformatError`: a one-line message (perhaps with indented detail lines) and the
 exit code for it, ``EXIT_REJECTED`` when the model's output did not validate and ``EXIT_USAGE`` (an
@@ -24,6 +27,8 @@ from typing import Any
 
 import click
 import yaml
+
+from .yamldata import Tagged, diff, format_path, load, load_documents, same
 
 EXIT_REJECTED = 1  # the model's output was rejected; nothing was written (for that file)
 EXIT_USAGE = 2  # the file, an option, an output path or the model cannot be used; nothing was written
@@ -99,8 +104,9 @@ def yaml_error(err: yaml.YAMLError) -> str:
 
 
 def load_yaml_documents(text: str) -> list:
-    """Every document of ``text``; raises yaml.YAMLError."""
-    return list(yaml.safe_load_all(text))
+    """Every document of ``text``, tags the safe loader does not know kept as opaque ``Tagged`` values (see
+    :mod:`~lookupdec.reformat.yamldata`); raises yaml.YAMLError."""
+    return load_documents(text)
 
 
 
@@ -135,41 +141,11 @@ def first_difference(before: str, after: str) -> str:
     return "none (the texts are identical)"
 
 
-def data_changes(old: Any, new: Any, path: str = "") -> list[str]:
+def data_changes(old: Any, new: Any) -> list[str]:
     """What differs between two loaded documents, one short line per change: ``server.port: 8080 -> 9090``,
-    ``removed logging.level``, ``added features[3]: 'metrics'``."""
-    where = path or "(top level)"
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for key in old:
-            sub = f"{path}.{key}" if path else str(key)
-            if key not in new:
-                out.append(f"removed {sub}")
-            else:
-                out += data_changes(old[key], new[key], sub)
-        out += [f"added {path + '.' if path else ''}{key}: {_short(new[key])}" for key in new if key not in old]
-        return out
-    if isinstance(old, list) and isinstance(new, list):
-        out = []
-        for i in range(max(len(old), len(new))):
-            sub = f"{path}[{i}]"
-            if i >= len(new):
-                out.append(f"removed {sub}")
-            elif i >= len(old):
-                out.append(f"added {sub}: {_short(new[i])}")
-            else:
-                out += data_changes(old[i], new[i], sub)
-        return out
-    if old == new and type(old) is type(new):
-        return []
-    return [f"{where}: {_short(old)} -> {_short(new)}"]
-
-
-def _short(value: Any) -> str:
-    try:
-        return _cut(json.dumps(value, ensure_ascii=False))
-    except (TypeError, ValueError):  # a date, a set, ...: show what it is
-        return _cut(repr(value))
+    ``removed logging.level``, ``added features[3]: "metrics"`` (lists aligned on their items: see
+    :func:`~lookupdec.reformat.yamldata.diff`)."""
+    return [str(change) for change in diff(old, new)]
 
 
 def _cut(text: str, width: int = 60) -> str:
@@ -186,13 +162,13 @@ def check_section(original: str, result: str, instruction: str | None) -> str | 
     if not result.strip():
         return "the model's output is empty"
     try:
-        got = yaml.safe_load(result)
+        got = load(result)
     except yaml.YAMLError as err:
         return (f"the model's output is not valid YAML ({yaml_error(err)})\n"
                 f"  first differing line: {first_difference(original, result)}")
     if instruction is None:
-        data = yaml.safe_load(original)
-        if got != data or type(got) is not type(data):
+        data = load(original)
+        if not same(got, data):
             changes = data_changes(data, got)
             first = changes[0] if changes else "a value changed type"
             more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
@@ -229,7 +205,12 @@ def comments(text: str) -> list[str]:
 
 
 def to_json(data: Any) -> str:
-    """``data`` as JSON text; ValueError naming the first value JSON cannot hold (a date, a set, ...)."""
+    """``data`` as JSON text; ValueError naming the first value JSON cannot hold (a YAML tag, a date, a set, ...)."""
+    tagged = first_tagged(data)
+    if tagged is not None:
+        where, value = tagged
+        raise ValueError(f"JSON has no YAML tags (first: {format_path(where) or '(top level)'}: {value!r}); "
+                         "write YAML instead")
     text = json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n"
     back = json.loads(text)
     if back != data:
@@ -238,6 +219,17 @@ def to_json(data: Any) -> str:
                          "quote such values in the YAML to keep them as text")
     return text
 
+
+def first_tagged(data: Any, path: tuple = ()) -> tuple | None:
+    """``(path, value)`` of the first :class:`~lookupdec.reformat.yamldata.Tagged` value in ``data``, or None."""
+    if isinstance(data, Tagged):
+        return path, data
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = first_tagged(value, path + (key,))
+        if found is not None:
+            return found
+    return None
 
 
 def describe_edit(before: list, after: list) -> list[str]:
