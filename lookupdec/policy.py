@@ -9,7 +9,7 @@ same functions, and none of it needs a model.
   (``lookupdec.calibrate``) or a running straight-line fit.
 - :func:`best_draft_length` (one row) and :func:`best_batch_length` (one length for a batch of rows) pick the
   length with the most expected tokens per unit of time, or 0 when none beats a plain step by a margin: the
-  never-slower guard.
+  never-slower guard. In a batch, the guard also bounds how much slower any one row runs for the others' drafts.
 """
 
 from __future__ import annotations
@@ -236,23 +236,32 @@ class Offer:
     then: float  # chance each later token is, given the ones before it were
 
 
-def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], *, margin: float = 0.02) -> int:
+def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], *, margin: float = 0.02,
+                      slowdown: float = float("inf")) -> int:
     """One draft length for a batch: each row drafts up to it (a batch pass is as wide as its longest draft, so
     shorter drafts would save nothing), and a pass with ``d`` drafted positions costs ``costs[d]`` batched plain
     steps (``costs[0] == 1``). Returns the length with the most expected tokens per unit of time, or 0 if none
-    beats a plain step by ``margin``."""
+    beats a plain step by ``margin``.
+
+    ``slowdown`` bounds what one row pays for the others' drafts: a length is taken only if every row's expected
+    time per token, ``costs[d]`` over its expected tokens, stays within ``1 + slowdown`` plain steps. Without the
+    bound, a row with nothing to copy (open-ended text beside edits) would run as slowly as the widest pass where
+    verifying costs grow with the width (CPUs), though the batch as a whole gains."""
     rows = len(offers)
     costs = cost_curve(costs)
     longest = min(max((o.tokens.size for o in offers), default=0), costs.size - 1)
     best_d, best_gain = 0, 1.0 + margin
-    expected = float(rows)  # the target's own token of every row
-    reach = [o.first for o in offers]  # chance that row's draft is accepted up to the current position
+    expected = np.ones(rows)  # per row: the target's own token, then each drafted token's chance of acceptance
+    reach = np.array([o.first for o in offers], dtype=np.float64)  # chance the row's draft is accepted up to d
+    then = np.array([o.then for o in offers], dtype=np.float64)
+    sizes = np.array([o.tokens.size for o in offers])
     for d in range(1, longest + 1):
-        for i, o in enumerate(offers):
-            if o.tokens.size >= d:
-                expected += reach[i]
-                reach[i] *= o.then
-        gain = expected / (rows * costs[d])
+        drafting = sizes >= d
+        expected[drafting] += reach[drafting]
+        reach[drafting] *= then[drafting]
+        if costs[d] > (1.0 + slowdown) * expected.min():
+            continue
+        gain = expected.sum() / (rows * costs[d])
         if gain > best_gain:
             best_d, best_gain = d, gain
     return best_d

@@ -338,3 +338,32 @@ def test_without_a_prediction_nothing_is_counted_as_predicted():
     session = Drafter(use_cache=False).start([1] + file, eos_ids=[0])
     _, drafted, accepted = _replay(session, file)
     assert accepted > 100 and session.prediction_accepted == session.prediction_rejected == 0
+
+
+def test_a_batch_draft_never_slows_any_row_past_the_bound():
+    # Three rows copy well, one has nothing to copy: the batch gains most with long drafts, which would make
+    # the fourth row's every token cost costs[d] plain steps.
+    offers = [_offer(32, 0.95, 0.97)] * 3 + [_offer(0, 0.0, 0.0)]
+    costs = linear_costs(0.1, 0.05, 32)  # costs[d] = 1.1 + 0.05 d
+    free = best_batch_length(offers, costs)
+    assert costs[free] > 1.5  # the unbounded choice: the idle row runs more than 1.5x slower
+    for slowdown in (0.2, 0.5, 1.0):
+        d = best_batch_length(offers, costs, slowdown=slowdown)
+        assert 0 < d < free
+        assert costs[d] <= 1.0 + slowdown  # the idle row's time per token, in plain steps
+    assert best_batch_length(offers, costs, slowdown=0.05) == 0  # no length is cheap enough: plain steps
+    # A row that drafts too counts its expected tokens: four good copiers are not held back.
+    assert best_batch_length([_offer(32, 0.95, 0.97)] * 4, costs, slowdown=0.2) == \
+        best_batch_length([_offer(32, 0.95, 0.97)] * 4, costs)
+
+
+def test_the_drafter_applies_the_batch_bound_of_its_config():
+    offers = [_offer(32, 0.95, 0.97)] * 3 + [_offer(0, 0.0, 0.0)]
+    tight = LookupDrafter(use_cache=False, calibrate=False, batch_slowdown=0.0)
+    loose = LookupDrafter(use_cache=False, calibrate=False, batch_slowdown=10.0)
+    unguarded = LookupDrafter(use_cache=False, calibrate=False, guard=False, batch_slowdown=0.0)
+    assert tight.length(offers) == 0
+    assert loose.length(offers) > 0
+    assert unguarded.length(offers) > 0  # guard=False switches the bound off with the rest of the guard
+    with pytest.raises(ValueError, match="batch_slowdown"):
+        DrafterConfig(batch_slowdown=-0.1)
