@@ -264,6 +264,7 @@ class DraftSession:
         self._prediction_grams: dict = {}
         self.prediction_accepted = 0  # drafted tokens copied from the prediction that the target kept
         self.prediction_rejected = 0  # ... and that it did not
+        self._calibration = drafter.acceptance.record()  # this request's own record of its drafts' first tokens
         if prediction is not None and prediction.size:
             start = sum(len(p) for p in parts)
             self._prediction = (start, start + len(prediction))
@@ -295,7 +296,7 @@ class DraftSession:
             return Offer(EMPTY, 0.0, 0.0)
         candidate = self._clip(candidate)
         self._offered = (bucket_, src, candidate)
-        return Offer(candidate, *self.drafter.acceptance.estimate(bucket_))
+        return Offer(candidate, *self.drafter.acceptance.estimate(bucket_, self._calibration))
 
     def take(self, length: int) -> np.ndarray:
         """Draft the first ``length`` tokens of the last :meth:`offer`; 0 skips this draft."""
@@ -387,7 +388,7 @@ class DraftSession:
         new = np.asarray(tokens, dtype=np.int32)
         if bucket_ is not None:
             accepted = _common_prefix(draft, new[:-1])
-            self.drafter.acceptance.update(bucket_, accepted, len(draft))
+            self.drafter.acceptance.update(bucket_, accepted, len(draft), self._calibration)
             if self._in_prediction(src):  # a draft never crosses the separator after the prediction
                 self.prediction_accepted += accepted
                 self.prediction_rejected += len(draft) - accepted

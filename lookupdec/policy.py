@@ -56,7 +56,10 @@ class Acceptance:
     Buckets that have seen few drafts lean on their priors, which suit copy-heavy text. A calibration shared by all
     buckets, (first tokens accepted + 2) / (first tokens predicted + 2) over recent drafts, scales ``first`` so
     that text where copies keep failing (open-ended writing) stops drafting after a few misses, whichever bucket
-    the next match falls in.
+    the next match falls in. A request keeps its own such record too (``own``, from :meth:`record`, which
+    :meth:`estimate` and :meth:`update` read and write): it starts from the shared scale as it stands when the
+    request starts, then follows the request's own drafts only. In a batch, a request writing freely beside
+    requests that copy well stops drafting after its own misses, rather than drafting on the others' record.
     """
 
     def __init__(self):
@@ -71,19 +74,33 @@ class Acceptance:
         then = (cont + prior_then * _PRIOR_WEIGHT) / (cont + stops + _PRIOR_WEIGHT)
         return first, then
 
-    def estimate(self, bucket) -> tuple:
-        """``(first, then)`` for drafts from ``bucket``."""
+    def estimate(self, bucket, own: list | None = None) -> tuple:
+        """``(first, then)`` for drafts from ``bucket``, calibrated by the request's own record ``own`` when given."""
         first, then = self._raw(bucket)
-        seen, predicted = self._calibration
-        return min(first * (seen + 2.0) / (predicted + 2.0), 0.999), then
+        return min(first * self._scale(own), 0.999), then
 
-    def update(self, bucket, accepted: int, drafted: int) -> None:
+    def record(self) -> list:
+        """A new request's own calibration record: ``[first tokens accepted, first tokens predicted, the shared
+        scale now]``; the scale stands for two drafts' worth of evidence until the request's own accrue."""
+        return [0.0, 0.0, self._scale(None)]
+
+    def _scale(self, own: list | None) -> float:
+        if own is not None:
+            seen, predicted, prior = own
+            return (seen + 2.0 * prior) / (predicted + 2.0)
+        seen, predicted = self._calibration
+        return (seen + 2.0) / (predicted + 2.0)
+
+    def update(self, bucket, accepted: int, drafted: int, own: list | None = None) -> None:
         if drafted == 0:
             return
         with self._lock:
             seen, predicted = self._calibration
-            self._calibration = [seen * _CALIBRATION_KEEP + bool(accepted),
-                                 predicted * _CALIBRATION_KEEP + self._raw(bucket)[0]]
+            hit, expected = float(bool(accepted)), self._raw(bucket)[0]
+            self._calibration = [seen * _CALIBRATION_KEEP + hit, predicted * _CALIBRATION_KEEP + expected]
+            if own is not None:
+                own[0] = own[0] * _CALIBRATION_KEEP + hit
+                own[1] = own[1] * _CALIBRATION_KEEP + expected
             tries, firsts, cont, stops = (c * _FORGET for c in self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0)))
             if accepted:
                 firsts += 1.0

@@ -367,3 +367,32 @@ def test_the_drafter_applies_the_batch_bound_of_its_config():
     assert unguarded.length(offers) > 0  # guard=False switches the bound off with the rest of the guard
     with pytest.raises(ValueError, match="batch_slowdown"):
         DrafterConfig(batch_slowdown=-0.1)
+
+
+def test_each_request_keeps_its_own_record_of_its_drafts():
+    # Two requests share one drafter: one copies its prompt (every draft right), one writes freely (every draft
+    # wrong). The writer's estimates fall with its own misses; the copier's stay high, and the writer no longer
+    # drafts on the copier's record.
+    drafter = LookupDrafter(use_cache=False, calibrate=False)
+    text = np.arange(100, 400, dtype=np.int32)
+    copier = drafter.start(np.concatenate([text, text[:8]]))
+    rng = np.random.default_rng(1)
+    writer = drafter.start(rng.integers(0, 4, size=300).astype(np.int32))
+    copied = 8
+    firsts = {"copier": [], "writer": []}
+    for _ in range(12):
+        offer = copier.offer(8)
+        firsts["copier"].append(offer.first)
+        draft = copier.take(8)
+        copier.commit(np.concatenate([draft, text[copied + len(draft): copied + len(draft) + 1]]))
+        copied += len(draft) + 1
+        offer = writer.offer(8)
+        firsts["writer"].append(offer.first)
+        draft = writer.take(8)
+        writer.commit([(draft[0] + 1) % 4 if len(draft) else 0])  # never the drafted token
+    assert firsts["writer"][-1] < 0.5 * firsts["writer"][0]
+    assert firsts["writer"][-1] < 0.25 * firsts["copier"][-1]
+    assert firsts["copier"][-1] >= 0.9 * firsts["copier"][0]
+    # A later request starts from the record they left together, not from either one's.
+    later = drafter.acceptance.record()
+    assert firsts["writer"][-1] / firsts["writer"][0] < later[2] < 1.0
