@@ -525,7 +525,8 @@ def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[
     that alternates from turn to turn. Unless --keep-cache, lookupdec gets a fresh server for each turn after the
     first: its in-memory rolling cache of earlier outputs would otherwise draft each repeated request from its own
     earlier answer, which no real workload offers. (transformers serve keeps running; its continuous batching shares
-    KV blocks of repeated prompt prefixes, which saves it some prefill.)"""
+    KV blocks of repeated prompt prefixes, but only whole blocks of CB_PAGE_TOKENS; the workload's prompts, 165-230
+    tokens with the chat template, fill none.)"""
     names = [s for s in SERVERS if s in servers]
     width = min(4, max(args.levels))
     for name in names:
