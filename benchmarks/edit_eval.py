@@ -64,6 +64,9 @@ from typing import Any
 
 import yaml
 
+from lookupdec.reformat.yamldata import load_documents
+from lookupdec.reformat.yamldata import same as same_data
+
 ROOT = Path(__file__).resolve().parent.parent  # the repository whose lookupdec the command runs
 EDITS = Path(__file__).resolve().parent / "edits"
 OUTCOMES = ("right", "rejected", "refused", "wrong", "broken")
@@ -75,55 +78,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Loading configs with their tags
-
-
-@dataclass(frozen=True)
-class Tagged:
-    """A node with a tag PyYAML's safe loader does not know (``!Ref``, ``!reference``, ``!!python/name:...``):
-    the tag and the plain value under it. Two are equal when both are."""
-
-    tag: str
-    value: Any
-
-
-class KeepTagsLoader(yaml.SafeLoader):
-    """The safe loader, with every unknown tag kept as a :class:`Tagged` instead of failing."""
-
-
-def _tagged(loader: KeepTagsLoader, suffix_or_node, node=None) -> Tagged:
-    # Called as (loader, tag_suffix, node) for a multi-constructor and (loader, node) for the fallback.
-    node = node if node is not None else suffix_or_node
-    if isinstance(node, yaml.MappingNode):
-        value = loader.construct_mapping(node, deep=True)
-    elif isinstance(node, yaml.SequenceNode):
-        value = loader.construct_sequence(node, deep=True)
-    else:
-        value = loader.construct_scalar(node)
-    return Tagged(node.tag, value)
-
-
-KeepTagsLoader.add_multi_constructor("!", _tagged)
-KeepTagsLoader.add_multi_constructor("tag:yaml.org,2002:python/", _tagged)
-KeepTagsLoader.add_constructor(None, _tagged)
-
-
-def load_documents(text: str) -> list:
-    """Every document of ``text``, tags kept; raises yaml.YAMLError."""
-    return list(yaml.load_all(text, Loader=KeepTagsLoader))  # a safe loader: unknown tags become inert Tagged
-
-
-def same_data(a: Any, b: Any) -> bool:
-    """Equal data with equal types all the way down: ``"3.14" != 3.14``, ``1 != True``, ``1 != 1.0``."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_data(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same_data(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, Tagged):
-        return a.tag == b.tag and same_data(a.value, b.value)
-    return a == b
+# Comparing loads (lookupdec.reformat.yamldata loads them, unknown tags kept as opaque values)
 
 
 def changes(old: Any, new: Any, path: str = "") -> list[str]:
