@@ -368,20 +368,25 @@ class Editor:
         if job.depth < 3:
             parts = split_finer(section, self.engine.count_tokens)
             if parts:
-                job.outcome = "retried"
-                for part in parts:
-                    if not part.edit:
-                        job.pieces.append((part, None))
-                        continue
-                    budget = budget_for(self.engine.count_tokens(part.text), self.max_new_tokens)
-                    job.pieces.append(Job(part, budget, job.shown, job.depth + 1, parent=job))
-                return job.parts()
+                return self._cut(job, parts)
         self.edited[job.shown] += 1
         self.kept[job.shown] += 1
         job.outcome = "kept"
         self.say(f"{where}: kept unchanged: {reason}")
         job.pieces = [(section, None)]
         return []
+
+    def _cut(self, job: Job, parts: list, focus: FileFocus | None = None, focused: bool = False) -> list[Job]:
+        """Retry ``job`` as ``parts`` (sections in file order): a job for each part to edit, the others kept as
+        they are; returns the new jobs."""
+        job.outcome = "retried"
+        for part in parts:
+            if not part.edit:
+                job.pieces.append((part, None))
+                continue
+            budget = budget_for(self.engine.count_tokens(part.text), self.max_new_tokens)
+            job.pieces.append(Job(part, budget, job.shown, job.depth + 1, focus, job, focused=focused))
+        return job.parts()
 
     def _depart(self, job: Job, done: Completion, reason: str) -> tuple:
         """The first of the model's answers departing from ``done`` that validates, as ``(result, None)``; else
@@ -422,16 +427,9 @@ class Editor:
             if parts is None:  # it names no entry of the file: every part of the section is its concern
                 parts = split_finer(section, self.engine.count_tokens)
             if parts:
-                job.outcome = "retried"
-                for part in parts:
-                    if not part.edit:
-                        job.pieces.append((part, None))
-                        continue
-                    budget = budget_for(self.engine.count_tokens(part.text), self.max_new_tokens)
-                    job.pieces.append(Job(part, budget, job.shown, job.depth + 1, focus, job, focused=focused))
                 if job.request is not None:
                     job.request.note += "; retried at finer grain"
-                return job.parts()
+                return self._cut(job, parts, focus, focused)
         return self._give_up(job)
 
     def _give_up(self, top: Job) -> list[Job]:
