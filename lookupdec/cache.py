@@ -27,6 +27,9 @@ node of the longest matching suffix in O(max_n) steps, independent of how much i
 leaves, any key still pointing at it has no other stored occurrence (older ones were evicted earlier, newer ones would
 have overwritten it) and can be deleted; keys overwritten by newer sequences are left alone.
 
+An add is all or nothing: a failure half-way (an out-of-memory error inside pygtrie, an interrupt) never leaves a key
+pointing at a sequence that is not stored, and a later add works (see :meth:`RollingCache._write`).
+
 No torch and no numba here: the cache sits beside the numba index (see STYLE.md) and must stay importable and cheap.
 """
 
@@ -37,6 +40,7 @@ import json
 import logging
 import numbers
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -134,26 +138,40 @@ class _Index:
         # One entry per reader using this copy; list.append and list.pop are atomic in CPython.
         self.pins: list[None] = []
 
+    def copy(self) -> _Index:
+        """A fresh, unpinned copy (the trie's nodes copied; the sequence arrays, never written, shared)."""
+        other = _Index()
+        other.trie = self.trie.copy()
+        other.seqs = dict(self.seqs)
+        other.order = deque(self.order)
+        other.total = self.total
+        return other
+
     def add(self, seq_id: int, arr: np.ndarray, evicted: list[int], cfg: CacheConfig) -> None:
-        """Index ``arr``  # [seq_len] under ``seq_id``, then evict the sequences ``evicted`` (oldest first)."""
+        """Index ``arr``  # [seq_len] under ``seq_id``, then evict the sequences ``evicted`` (oldest first).
+
+        A sequence is stored before its first key and removed after its last, so even a copy left half-changed by a
+        failure (which RollingCache discards rather than publishes) has no key pointing at a missing sequence.
+        """
         trie = self.trie
+        self.seqs[seq_id] = arr
         value = seq_id << _POS_BITS
         # Ascending t: a later position overwrites an earlier one (latest position wins within a sequence).
         for key, t in _ngram_entries(arr, cfg):
             trie[key] = value | t
-        self.seqs[seq_id] = arr
         self.order.append(seq_id)
         self.total += arr.size
         for old_id in evicted:
-            self.order.popleft()
-            old = self.seqs.pop(old_id)
-            self.total -= old.size
+            old = self.seqs[old_id]
             for key, _ in _ngram_entries(old, cfg):
                 value = trie.get(key)
                 # Only keys still owned by this sequence go; a newer sequence's overwrite must survive. The same key can
                 # occur twice in this sequence and is then met twice, hence the check rather than a blind delete.
                 if value is not None and value >> _POS_BITS == old_id:
                     del trie[key]
+            self.order.popleft()
+            del self.seqs[old_id]
+            self.total -= old.size
 
     def clear(self) -> None:
         self.trie = pygtrie.Trie()
@@ -187,14 +205,18 @@ class RollingCache:
     concurrent calls give the results of some serial order of them. The price is a second copy of the index in memory
     and every add's trie work done twice, once per copy: lookups cost the same as with one lock, adds about twice.
 
+    A write that fails part-way (see :meth:`_write`) publishes nothing half-done: the copy it was changing is thrown
+    away and rebuilt from the front one, so both copies agree again before the next write starts.
+
     Lookups are O(max_n + k); add() is O(len(tokens) * (max_n - min_n + 1)) plus the cost of the evictions it causes.
     """
 
     def __init__(self, max_tokens: int = 65536, min_n: int = 2, max_n: int = 4):
         self._config = CacheConfig(max_tokens=max_tokens, min_n=min_n, max_n=max_n)
         # Readers only ever load _front; _back, _next_id and every change to either copy belong to the lock's holder.
+        # _back is None after a failed write until it is rebuilt (_spare).
         self._front = _Index()
-        self._back = _Index()
+        self._back: _Index | None = _Index()
         self._write_lock = threading.Lock()
         self._next_id = 0
 
@@ -257,16 +279,43 @@ class RollingCache:
         finally:
             index.pins.pop()
 
+    def _spare(self) -> _Index:
+        """The back copy, equal to the front one; rebuilt from the front if a failed write threw it away. The caller
+        holds ``_write_lock``, so the front does not change while it is copied (readers only read it)."""
+        if self._back is None:
+            self._back = self._front.copy()
+        return self._back
+
     def _write(self, change: Callable[[_Index], None]) -> None:
-        """Apply ``change`` to both copies without blocking a reader; the caller holds ``_write_lock``."""
-        back = self._back
-        change(back)
+        """Apply ``change`` to both copies without blocking a reader; the caller holds ``_write_lock``.
+
+        All or nothing. If ``change`` raises on the back copy, that copy is thrown away (readers never saw it) and
+        the cache is as before. If it raises on the old front, after the changed copy was published, the change
+        stands and the half-changed old copy is thrown away. Either way the exception propagates, and the spare copy
+        is rebuilt from the front (now, or at the next write if that fails too: a rebuild under memory pressure can).
+        """
+        back = self._spare()
+        try:
+            change(back)
+        except BaseException:
+            self._rebuild_back()
+            raise
         old = self._front
         self._front = back  # readers now get the changed copy
         self._back = old
         while old.pins:
             time.sleep(0)  # let the last readers of the old front finish
-        change(old)
+        try:
+            change(old)
+        except BaseException:
+            self._rebuild_back()
+            raise
+
+    def _rebuild_back(self) -> None:
+        """Replace a half-changed back copy by a copy of the front (best effort: _spare retries at the next write)."""
+        self._back = None
+        with contextlib.suppress(Exception):
+            self._spare()
 
     # ------------------------------------------------------------------ mutation
 
@@ -294,7 +343,7 @@ class RollingCache:
             seq_id = self._next_id
             self._next_id += 1
             # Both copies hold the same state here, so the back one decides the evictions for both.
-            back = self._back
+            back = self._spare()
             total = back.total + arr.size
             evicted = []
             for old_id in back.order:
@@ -333,10 +382,19 @@ class RollingCache:
         try:
             # Every stored key has length in [min_n, max_n], so the longest valued prefix is the longest suffix match.
             step = index.trie.longest_prefix(key)
-            if not step:
+            seq = index.seqs.get(step.value >> _POS_BITS) if step else None
+            if step and seq is None:
+                # Unreachable while writes are all or nothing (_write); should a key ever outlive its sequence, the
+                # longest match whose sequence is stored answers instead of a KeyError.
+                step, seq = next(
+                    ((s, index.seqs[s.value >> _POS_BITS]) for s in reversed(list(index.trie.prefixes(key)))
+                     if s.value >> _POS_BITS in index.seqs),
+                    (None, None),
+                )
+            if seq is None:
                 return 0, _EMPTY_DRAFT.copy()
-            seq_id, t = step.value >> _POS_BITS, step.value & _POS_MASK
-            draft = index.seqs[seq_id][t:t + int(k)].copy()
+            t = step.value & _POS_MASK
+            draft = seq[t:t + int(k)].copy()
         finally:
             index.pins.pop()
         return len(step.key), draft
@@ -382,34 +440,60 @@ class RollingCache:
         the file stays where it is: a later save to ``path`` would then replace it, though whatever stopped the rename
         (a read-only or sticky folder, an immutable file) usually stops that save too. A missing file, or a folder at
         ``path``, is left alone.
+
+        Only the very file that failed to load is moved: another process may save to ``path`` (an atomic replace)
+        while this one reads. If ``path`` names another file by the time of the move, that file stays, the warning
+        says so, and it is read instead (once; should it fail too and be replaced again, the load starts empty).
         """
         path_str = os.fspath(path)
-        config = None
-        try:
-            config, sequences = _read_cache_file(path_str)
-        except _UnusableFile as problem:
-            config = problem.config
-            message = f"cache file {path_str!r}: {problem.reason}"
-            if strict:
-                raise CacheFileError(message) from None
-            if os.path.isfile(path_str):
-                try:
-                    moved = _move_aside(path_str)
-                except OSError as err:
-                    message += f"; could not move it aside ({type(err).__name__}: {err.strerror or err}), left in place"
-                else:
-                    message += f"; moved it to {moved!r}"
-            logger.warning("%s; starting with an empty cache", message)
-            cfg = config or CacheConfig()
-            return cls(max_tokens=cfg.max_tokens, min_n=cfg.min_n, max_n=cfg.max_n)
+        for attempt in range(2):
+            try:
+                config, sequences = _read_cache_file(path_str)
+                break
+            except _UnusableFile as problem:
+                message = f"cache file {path_str!r}: {problem.reason}"
+                if strict:
+                    raise CacheFileError(message) from None
+                if problem.identity is not None:
+                    try:
+                        moved = _move_aside(path_str, problem.identity)
+                    except OSError as err:
+                        message += (f"; could not move it aside ({type(err).__name__}: {err.strerror or err}), "
+                                    "left in place")
+                    else:
+                        if moved is not None:
+                            message += f"; moved it to {moved!r}"
+                        elif attempt == 0:
+                            logger.warning("%s; another file replaced it while it was read: left that one in place, "
+                                           "reading it instead", message)
+                            continue
+                        else:
+                            message += "; another file replaced it while it was read, left that one in place"
+                logger.warning("%s; starting with an empty cache", message)
+                cfg = problem.config or CacheConfig()
+                return cls(max_tokens=cfg.max_tokens, min_n=cfg.min_n, max_n=cfg.max_n)
         cache = cls(max_tokens=config.max_tokens, min_n=config.min_n, max_n=config.max_n)
         for arr in sequences:
             cache._add_array(arr)
         return cache
 
 
-def _move_aside(path: str) -> str:
-    """Rename the file at ``path`` to a free ``path.unreadable-YYYYmmdd-HHMMSS[-N]`` and return that name."""
+def _identity(status: os.stat_result) -> tuple[int, int]:
+    """What tells one file from another that replaced it at the same path."""
+    return status.st_dev, status.st_ino
+
+
+def _names(path: str, identity: tuple[int, int]) -> bool:
+    """Whether ``path`` still names the file ``identity``."""
+    try:
+        return _identity(os.stat(path)) == identity
+    except FileNotFoundError:
+        return False
+
+
+def _move_aside(path: str, identity: tuple[int, int]) -> str | None:
+    """Rename the file ``identity`` at ``path`` to a free ``path.unreadable-YYYYmmdd-HHMMSS[-N]`` and return that name;
+    None, with nothing moved, when ``path`` no longer names that file (another process saved over it)."""
     stem = f"{path}.unreadable-{datetime.now():%Y%m%d-%H%M%S}"
     suffix = 0
     while True:
@@ -421,12 +505,27 @@ def _move_aside(path: str) -> str:
             suffix += 1
             continue
         try:
+            if not _names(path, identity):
+                os.remove(target)
+                return None
             os.replace(path, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(target)
             raise
-        return target
+        if _names(target, identity):
+            return target
+        # A save replaced the file between the check and the rename, so the rename took the saved file: give it back.
+        # os.link never replaces, so a still newer save at path wins, and the one taken is then superseded anyway.
+        try:
+            os.link(target, path)
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links on this filesystem
+            os.replace(target, path)
+            return None
+        os.remove(target)
+        return None
 
 
 class _UnusableFile(Exception):
@@ -437,17 +536,37 @@ class _UnusableFile(Exception):
         # Messages must stay one line (CLI prints them as-is).
         self.reason = " ".join(reason.split())
         self.config = config
+        # (st_dev, st_ino) of the regular file that failed, for _move_aside; None when there is no such file.
+        self.identity: tuple[int, int] | None = None
 
 
 def _read_cache_file(path: str) -> tuple[CacheConfig, list[np.ndarray]]:
-    """Parse and validate a cache file; raise _UnusableFile with a one-line reason on any problem."""
+    """Read, parse and validate a cache file; raise _UnusableFile with a one-line reason on any problem, carrying the
+    identity of the regular file that failed (the one read through the descriptor, not whatever is at path now)."""
+    identity = None
     try:
+        # Identity before opening, for a file that exists but cannot be opened; the descriptor's once it is open.
+        status = os.stat(path)
+        identity = _identity(status) if stat.S_ISREG(status.st_mode) else None
         with open(path, "rb") as handle:
+            status = os.fstat(handle.fileno())
+            identity = _identity(status) if stat.S_ISREG(status.st_mode) else None
             raw = handle.read()
     except FileNotFoundError:
         raise _UnusableFile("not found") from None
     except OSError as err:
-        raise _UnusableFile(f"cannot be read ({type(err).__name__}: {err.strerror or err})") from None
+        problem = _UnusableFile(f"cannot be read ({type(err).__name__}: {err.strerror or err})")
+        problem.identity = identity
+        raise problem from None
+    try:
+        return _parse_cache_file(raw)
+    except _UnusableFile as problem:
+        problem.identity = identity
+        raise
+
+
+def _parse_cache_file(raw: bytes) -> tuple[CacheConfig, list[np.ndarray]]:
+    """Parse and validate a cache file's bytes; raise _UnusableFile with a one-line reason on any problem."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -37,6 +37,7 @@ verification (``verify.py``).
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -118,7 +119,8 @@ TokenSource = Union[str, Sequence[int], np.ndarray]
 class Session(Protocol):
     """What the loops need from one request's drafting state (:class:`DraftSession`, or a stand-in such as a
     benchmark's oracle). :meth:`Drafter.propose` calls ``offer`` then ``take``; the loops call ``commit`` after
-    each verified pass and ``finish`` once."""
+    each verified pass and ``finish`` once (``generated``: how many output tokens the client received, when
+    fewer than were committed)."""
 
     def offer(self, limit: int) -> Offer: ...
 
@@ -126,7 +128,7 @@ class Session(Protocol):
 
     def commit(self, tokens: Sequence[int], seconds: float | None = None) -> None: ...
 
-    def finish(self) -> None: ...
+    def finish(self, generated: int | None = None) -> None: ...
 
 
 class Drafter:
@@ -407,16 +409,35 @@ class DraftSession:
                     break
         self._cursor = t if 0 <= t < len(self.index) and self.drafter.drafter_config.cursor else -1
 
-    def finish(self) -> None:
+    def finish(self, generated: int | None = None) -> None:
         """End the request: its output joins the rolling cache, with a little of the prompt before it so the
-        first generated tokens can be matched too."""
+        first generated tokens can be matched too. Calls after the first do nothing.
+
+        ``generated``: how many of the committed output tokens the client received (a server that ends a request
+        at a stop string in the text has committed more); only those join the cache. None: all of them. More
+        than were committed, or a negative count, is a caller's error (``ValueError``). Either way nothing after
+        the output's first EOS token joins: a request ends there, and what a loop committed past it was never
+        output.
+        """
         if self._finished:
             return
+        committed = len(self.index) - self._output_start
+        if generated is None:
+            generated = committed
+        elif isinstance(generated, bool) or not isinstance(generated, numbers.Integral) \
+                or not 0 <= generated <= committed:
+            raise ValueError(f"generated must be an integer in [0, {committed}] (the tokens committed), "
+                             f"got {generated!r}")
         self._finished = True
+        output = self.index.tokens[self._output_start:self._output_start + int(generated)]
+        if self._eos.size:
+            hit = np.flatnonzero(np.isin(output, self._eos))
+            if hit.size:
+                output = output[: hit[0] + 1]
         cache = self.drafter.cache
-        if cache is not None and len(self.index) > self._output_start:
+        if cache is not None and output.size:
             start = max(0, self._output_start - cache.max_n)
-            context = self.index.tokens[start:]
+            context = self.index.tokens[start:self._output_start + output.size]
             context = context[np.flatnonzero(context < 0)[-1] + 1:] if (context < 0).any() else context
             cache.add(context.copy())
 
@@ -435,7 +456,7 @@ class NoDrafts:
     def commit(self, tokens: Sequence[int], seconds: float | None = None) -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, generated: int | None = None) -> None:
         pass
 
 

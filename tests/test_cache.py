@@ -13,6 +13,7 @@ import threading
 import time
 
 import numpy as np
+import pygtrie
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -589,6 +590,166 @@ def test_file_over_its_own_budget_loads_with_eviction(tmp_path):
     path.write_text(json.dumps(_valid_payload(max_tokens=6, sequences=[[1, 2, 3], [4, 5, 6], [7, 8, 9]])))
     cache = RollingCache.load(path, strict=True)
     assert [s.tolist() for s in cache.sequences()] == [[4, 5, 6], [7, 8, 9]]
+
+
+# ------------------------------------------------------------------------------------------------------------- failures
+
+# A=[1..5] and B are stored (10 tokens); adding C (7 tokens) evicts A. C has 9 trie keys (t in 2..6, n in 2..min(3, t)),
+# so an add makes trie calls 1..9 on the back copy, then 10..18 on the old front; evicting A deletes on each copy.
+FAIL_A, FAIL_B, FAIL_C = [1, 2, 3, 4, 5], [6, 1, 2, 7, 8], [1, 2, 9, 6, 1, 2, 3]
+
+
+def _failing(monkeypatch, method, fail_on):
+    """Make pygtrie.Trie.<method> raise MemoryError on its fail_on-th call (counting from now), once."""
+    original = getattr(pygtrie.Trie, method)
+    calls = []
+
+    def wrapper(trie, *args):
+        calls.append(None)
+        if len(calls) == fail_on:
+            raise MemoryError("injected")
+        return original(trie, *args)
+
+    monkeypatch.setattr(pygtrie.Trie, method, wrapper)
+    return calls
+
+
+def _assert_answers_like(cache, ref, vocab=10):
+    for context in all_contexts(vocab, 3):
+        assert_same(cache, ref.lookup(context, 3), context, 3)
+
+
+@pytest.mark.parametrize("method, fail_on, took_effect", [
+    ("__setitem__", 1, False),   # the first insertion into the back copy
+    ("__setitem__", 5, False),   # half-way through the back copy
+    ("__setitem__", 9, False),   # its last insertion
+    ("__delitem__", 1, False),   # evicting A from the back copy, after all of C's insertions
+    ("__setitem__", 10, True),   # the old front, after the back copy was published
+    ("__setitem__", 16, True),
+])
+def test_an_add_that_fails_half_way_is_all_or_nothing(monkeypatch, method, fail_on, took_effect):
+    # Before: the half-inserted keys stayed and pointed at a sequence never stored, and the half-changed copy was
+    # published by the next add, which then raised KeyError in lookups.
+    cache = RollingCache(max_tokens=12, min_n=2, max_n=3)
+    ref = ReferenceStore(12, 2, 3)
+    for seq in (FAIL_A, FAIL_B):
+        cache.add(seq)
+        ref.add(seq)
+    calls = _failing(monkeypatch, method, fail_on)
+    with pytest.raises(MemoryError):
+        cache.add(FAIL_C)
+    assert len(calls) == fail_on
+    if took_effect:  # the changed copy was already published when the spare one failed: the add stands, whole
+        ref.add(FAIL_C)
+    assert [s.tolist() for s in cache.sequences()] == ref.sequences
+    _assert_answers_like(cache, ref)
+    assert_index_consistent(cache)  # both copies, so the next add starts from a whole state
+    for seq in ([9, 6, 1, 2, 4, 4], FAIL_C, [2, 9, 6, 5]):  # later adds work, evictions included
+        cache.add(seq)
+        ref.add(seq)
+        _assert_answers_like(cache, ref)
+    assert_index_consistent(cache)
+
+
+def test_a_failed_add_whose_spare_copy_cannot_be_rebuilt_at_once_rebuilds_it_at_the_next_write(monkeypatch):
+    cache = RollingCache(max_tokens=12, min_n=2, max_n=3)
+    ref = ReferenceStore(12, 2, 3)
+    for seq in (FAIL_A, FAIL_B):
+        cache.add(seq)
+        ref.add(seq)
+    _failing(monkeypatch, "__setitem__", 3)
+    original_copy = cache_module._Index.copy
+    copies = []
+
+    def copy_failing_once(index):
+        copies.append(None)
+        if len(copies) == 1:
+            raise MemoryError("injected")
+        return original_copy(index)
+
+    monkeypatch.setattr(cache_module._Index, "copy", copy_failing_once)
+    with pytest.raises(MemoryError):
+        cache.add(FAIL_C)
+    assert cache._back is None  # thrown away, not kept half-changed
+    _assert_answers_like(cache, ref)
+    cache.add(FAIL_C)
+    ref.add(FAIL_C)
+    assert len(copies) == 2
+    _assert_answers_like(cache, ref)
+    assert_index_consistent(cache)
+
+
+def test_a_key_whose_sequence_is_missing_gives_the_longest_stored_match_not_a_key_error():
+    # Cannot happen through add(); lookups must not turn such an entry into a KeyError if it ever does.
+    cache = RollingCache(max_tokens=100, min_n=2, max_n=3)
+    cache.add([1, 2, 3, 4])
+    cache.add([7, 2, 3, 5])
+    assert cache.lookup([1, 2, 3], 2)[1].tolist() == [4]
+    for index in (cache._front, cache._back):
+        index.trie[(3, 2, 1)] = 999 << 48 | 1  # seq 999 was never stored
+    assert_same(cache, (2, [5]), [1, 2, 3], 2)  # (2, 3) -> 5, its newest occurrence
+    for index in (cache._front, cache._back):
+        for key in list(index.trie.keys()):
+            index.trie[key] = 999 << 48 | 1
+    assert_same(cache, (0, []), [1, 2, 3], 2)
+
+
+def test_a_file_replaced_while_it_was_read_is_not_moved_aside(tmp_path, monkeypatch, caplog):
+    # Another process saves a good cache over the bad file between this load's failed read and its move-aside. The
+    # move must take only the file that failed: the good one stays at the path and is loaded instead.
+    path = tmp_path / "cache.json"
+    path.write_bytes(b"{not json")
+    good = RollingCache(max_tokens=50, min_n=2, max_n=3)
+    good.add([1, 2, 3, 4])
+    original_read = cache_module._read_cache_file
+    reads = []
+
+    def read_then_replaced(path_str):
+        reads.append(None)
+        try:
+            return original_read(path_str)
+        finally:
+            if len(reads) == 1:
+                good.save(path)  # an atomic replace: a new file at the same path
+
+    monkeypatch.setattr(cache_module, "_read_cache_file", read_then_replaced)
+    real_replace, renames = os.replace, []
+
+    def spy_replace(src, dst):
+        renames.append(str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy_replace)
+    with caplog.at_level(logging.WARNING, logger="lookupdec"):
+        cache = RollingCache.load(path)
+        saved = path.read_bytes()
+    assert os.listdir(tmp_path) == ["cache.json"]  # nothing moved aside, no claimed name left behind
+    assert not [dst for dst in renames if ".unreadable-" in dst]  # not even for a moment: the path was checked first
+    assert json.loads(saved)["sequences"] == [[1, 2, 3, 4]]
+    assert len(reads) == 2 and cache.sequences()[0].tolist() == [1, 2, 3, 4] and cache.config == good.config
+    assert "is not valid JSON" in caplog.text and "another file replaced it while it was read" in caplog.text
+
+
+def test_a_save_landing_between_the_check_and_the_rename_is_put_back(tmp_path, monkeypatch):
+    # The narrower race: the path is checked, then a save replaces it just before the rename takes "it". The rename
+    # then took the saved file; it goes back to the path, and nothing is left under the moved-aside name.
+    path = tmp_path / "cache.json"
+    path.write_bytes(b"{not json")
+    good = RollingCache(max_tokens=50, min_n=2, max_n=3)
+    good.add([1, 2, 3, 4])
+    good.save(tmp_path / "good.tmp")
+    real_replace = os.replace
+
+    def save_lands_first(src, dst):
+        if ".unreadable-" in str(dst):
+            real_replace(tmp_path / "good.tmp", path)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", save_lands_first)
+    cache = RollingCache.load(path)
+    assert os.listdir(tmp_path) == ["cache.json"]
+    assert json.loads(path.read_bytes())["sequences"] == [[1, 2, 3, 4]]
+    assert cache.sequences()[0].tolist() == [1, 2, 3, 4]
 
 
 # -------------------------------------------------------------------------------------------------------------- threads

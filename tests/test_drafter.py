@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lookupdec import DrafterConfig, LookupDrafter, RollingCache
-from lookupdec.drafter import Drafter
+from lookupdec.drafter import Drafter, NoDrafts
 from lookupdec.policy import Offer, PassCost, best_batch_length, best_draft_length, linear_costs
 
 
@@ -103,6 +103,61 @@ def test_output_of_a_finished_request_helps_the_next_one_through_the_cache():
     assert len(cache) > 0
     second = drafter.start(np.array([7, 8, 50, 51]))  # the new prompt ends like the old output began
     assert second.propose(3).tolist() == [52, 53, 54]
+
+
+def _finished_into_cache(output, eos_ids=(), **finish):
+    """The rolling cache's sequences after a request with prompt [100, 101, 102] committed ``output`` and finished."""
+    cache = RollingCache(max_tokens=1000, min_n=2, max_n=2)
+    drafter = LookupDrafter(adaptive=False, cache=cache)
+    session = drafter.start(np.array([100, 101, 102]), eos_ids=eos_ids)
+    for start in range(0, len(output), 3):  # several verified steps
+        session.commit(output[start:start + 3])
+    session.finish(**finish)
+    return cache
+
+
+def test_finish_adds_only_the_output_the_client_received():
+    # A server ends at a stop string in text after committing more tokens than it sent: only the first `generated`
+    # join the cache (with the max_n prompt tokens before them, so the output's first tokens can be matched).
+    cache = _finished_into_cache([1, 2, 3, 4, 5, 6, 7, 8], generated=4)
+    assert [s.tolist() for s in cache.sequences()] == [[101, 102, 1, 2, 3, 4]]
+    assert cache.lookup([2, 3], 4)[1].tolist() == [4]  # cut at the 4th token, not [4, 5, 6, 7]
+    for context in ([3, 4], [4, 5], [5, 6], [7, 8]):  # nothing follows the 4th token; 5.. were never sent
+        assert cache.lookup(context, 4)[0] == 0, context
+    assert cache.lookup([102, 1], 2)[1].tolist() == [2, 3]
+
+
+def test_finish_without_a_count_adds_every_committed_token_and_with_zero_none():
+    assert [s.tolist() for s in _finished_into_cache([1, 2, 3, 4, 5]).sequences()] == [[101, 102, 1, 2, 3, 4, 5]]
+    assert len(_finished_into_cache([1, 2, 3, 4, 5], generated=0)) == 0
+
+
+def test_nothing_after_eos_joins_the_cache():
+    # EOS ends a request; tokens a loop committed after it were never output.
+    cache = _finished_into_cache([1, 2, 99, 5, 6], eos_ids=[99])
+    assert [s.tolist() for s in cache.sequences()] == [[101, 102, 1, 2, 99]]
+    cache = _finished_into_cache([1, 2, 99, 5, 6], eos_ids=[99], generated=2)
+    assert [s.tolist() for s in cache.sequences()] == [[101, 102, 1, 2]]
+
+
+@pytest.mark.parametrize("generated", [-1, 6, 2.0, True, "3"])
+def test_finish_refuses_a_count_it_cannot_have_sent(generated):
+    cache = RollingCache(max_tokens=1000, min_n=2, max_n=2)
+    session = LookupDrafter(adaptive=False, cache=cache).start(np.array([100, 101, 102]))
+    session.commit([1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match=r"generated must be an integer in \[0, 5\]"):
+        session.finish(generated)
+    assert len(cache) == 0
+    session.finish(5)  # the refused call did not end the session
+    session.finish(5)  # and only the first call adds
+    assert cache.num_sequences == 1
+
+
+def test_no_drafts_session_takes_the_same_finish():
+    session = NoDrafts()
+    session.commit([1, 2])
+    session.finish(1)
+    session.finish()
 
 
 def test_use_cache_false_means_no_cache():
