@@ -1,18 +1,30 @@
 """The OpenAI wire format: request bodies checked and turned into a :class:`Request`, responses and errors as the
 official clients expect them. No model, no torch: everything here is plain data.
 
-What is accepted is listed field by field (:data:`CHAT_FIELDS`, :data:`COMPLETION_FIELDS`); a field OpenAI
-defines that this server does not implement is refused by name (:data:`UNSUPPORTED`), and so is a field nobody
-defines, as OpenAI's own API does: a request never silently loses what its sender asked for.
+What is accepted is declared once, field by field, as pydantic models mirroring OpenAI's schema (:class:`ChatBody`,
+:class:`CompletionBody`), strict where OpenAI is strict: no ``"1"`` for an integer, no ``1`` for a boolean, no
+boolean for a number, no NaN or infinity, and no string that is not valid Unicode (a lone surrogate, which JSON can
+spell as ``"\\ud800"``). A field OpenAI defines that this server does not implement is refused by name
+(:data:`UNSUPPORTED`, code ``unsupported_parameter``), and so is a field nobody defines (``unknown_parameter``), as
+OpenAI's own API does: a request never silently loses what its sender asked for. :func:`parse` turns the first
+violation into one :class:`APIError` (400, or 404 for an unknown model) whose ``param`` is the field's path
+(``messages[0].role``, ``prediction.content``, ``stop``) and whose message is one line.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union, get_args
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4  # stop sequences per request, as OpenAI allows
+INT64 = (-2**63, 2**63 - 1)  # OpenAI's bounds for `seed`; the engine keys its sampler on 64 bits of it
 
 
 class APIError(Exception):
@@ -20,6 +32,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict | None = None):
+        # A message or param may quote what the client sent; a lone surrogate there would make the error body itself
+        # unencodable as UTF-8 (a 500 while refusing), so it is spelled out as `\ud800`.
+        message, param = _encodable(message), _encodable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -55,176 +70,410 @@ class Request:
         return self.temperature == 0.0
 
 
+# ------------------------------------------------------------------------------------------------ request bodies
+
 # Fields OpenAI defines that this server does not implement: refused by name.
-UNSUPPORTED = {
+UNSUPPORTED = frozenset({
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "modalities",
     "logit_bias", "top_logprobs", "response_format", "web_search_options", "reasoning_effort", "service_tier",
     "best_of", "echo", "suffix", "verbosity", "prompt_cache_key", "safety_identifier",
-}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-           "prediction", "lookup", "user", "metadata", "store", "frequency_penalty", "presence_penalty", "logprobs"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-ROLES = {"system", "developer", "user", "assistant"}
+})
+# Fields OpenAI defines on a chat message beside role and content. `name` cannot be carried by chat templates in
+# general (most drop it without a word), tool calls and audio are not implemented: refused, never dropped.
+UNSUPPORTED_IN_MESSAGES = frozenset({"name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"})
+ROLES = ("system", "developer", "user", "assistant")
+
+METADATA = (16, 64, 512)  # OpenAI's limits on `metadata`: pairs, characters in a key, characters in a value
+
+
+def _is_unicode(text: str) -> bool:
+    # JSON may spell a lone surrogate ("\ud800"), which Python's json decodes into a str that no tokenizer (nor any
+    # UTF-8 output) can take. isascii() is O(1); the UTF-8 encode runs in C at GB/s, so 8 MB costs milliseconds.
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _valid_unicode(text: str) -> str:
+    if not _is_unicode(text):
+        raise PydanticCustomError("lone_surrogate", "is not valid Unicode: it contains a lone surrogate")
+    return text
+
+
+_FIELDS: dict[type, frozenset] = {}  # a model's field names (pydantic's `model_fields` is slow to read)
+
+
+def _known_fields(model: type[BaseModel], data: Any) -> Any:
+    """Refuse the first field ``model`` does not declare, before reading anything else. pydantic's own
+    ``extra="forbid"`` (kept as the backstop) reports every unknown field: a million of them take seconds."""
+    fields = _FIELDS.get(model) or _FIELDS.setdefault(model, frozenset(model.model_fields))
+    if isinstance(data, dict) and not data.keys() <= fields:  # the common case, checked in C
+        for key in data:
+            if key not in fields:
+                name = str(key)
+                if not _is_unicode(name):
+                    raise PydanticCustomError("field_name_unicode", "has a field name that is not valid Unicode: it "
+                                              "contains a lone surrogate")
+                raise PydanticCustomError("unknown_field", "has no field {field}", {"field": name})
+    return data
+
+
+class _Strict(BaseModel):
+    """OpenAI's strictness: no unknown field, no "1" for an integer, no 1 for a boolean, no boolean for a number."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, data: Any) -> Any:
+        return _known_fields(cls, data)
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+Number = Annotated[float, Field(allow_inf_nan=False)]  # strict: an int is a number, a bool is not
+
+
+def _by_json_type(value: Any) -> str | None:
+    """The tag of a string-or-array field (see :data:`_TAGS`); None (refused) for any other JSON type."""
+    return "<string>" if isinstance(value, str) else "<array>" if isinstance(value, list) else None
+
+
+_TAGS = frozenset({"<string>", "<array>"})  # union members in pydantic's error locations; not part of a path
+
+
+class TextPart(_Strict):
+    """``{"type": "text", "text": ...}``, the one content part this server reads."""
+
+    type: Literal["text"] = Field(description='must be "text" (only text content is supported)')
+    text: Text = Field(description="must be a string")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, data: Any) -> Any:  # replaces _Strict's: the part's type is named before its other fields
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":  # name the part, not its `type`: the whole part is refused
+            raise PydanticCustomError("unsupported_content", "must be {\"type\": \"text\", \"text\": string} "
+                                      "('{kind}' content is not supported)", {"kind": _encodable(_short(kind))})
+        return _known_fields(cls, data)
+
+
+Content = Annotated[
+    Union[Annotated[Text, Tag("<string>")],
+          Annotated[list[TextPart], Field(min_length=1, fail_fast=True), Tag("<array>")]],
+    Discriminator(_by_json_type, custom_error_type="content_type",
+                  custom_error_message="must be a string or a non-empty array of text parts"),
+]
+
+
+class Message(_Strict):
+    role: Literal[ROLES] = Field(description=f"must be one of {', '.join(map(repr, ROLES))}")
+    content: Content = Field(description="must be a string or a non-empty array of text parts")
+
+
+class Prediction(_Strict):
+    """Predicted Outputs: the text the answer is expected to resemble (what the drafter copies from)."""
+
+    type: Literal["content"] = Field(description='must be "content"')
+    content: Content = Field(description="must be a string or a non-empty array of text parts")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="must be a boolean")
+
+
+Stop = Annotated[
+    Union[Annotated[NonEmptyText, Tag("<string>")],
+          Annotated[list[NonEmptyText], Field(max_length=MAX_STOP), Tag("<array>")]],
+    Discriminator(_by_json_type, custom_error_type="stop_type", custom_error_message=(
+        f"must be a non-empty string or an array of at most {MAX_STOP} of them")),
+]
+Prompt = Annotated[
+    Union[Annotated[NonEmptyText, Tag("<string>")],
+          Annotated[list[NonEmptyText], Field(min_length=1, max_length=1), Tag("<array>")]],
+    Discriminator(_by_json_type, custom_error_type="prompt_type", custom_error_message=(
+        "must be a non-empty string (one prompt per request)")),
+]
+
+
+Metadata = dict[Annotated[str, Field(max_length=METADATA[1])], Annotated[str, Field(max_length=METADATA[2])]]
+
+
+def _unsupported(message: str):
+    return PydanticCustomError("unsupported_parameter", message)
+
+
+class _Body(_Strict):
+    """The fields both endpoints share. Each field's ``description`` is what its error message says it must be.
+    Arrays stop at their first bad element (``fail_fast``): an 8 MB body of bad elements is one error, not millions."""
+
+    model: NonEmptyText = Field(description="must be a non-empty string")
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="must be an integer >= 1")
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = Field(
+        None, description="must be a number between 0 and 2")
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = Field(
+        None, description="must be a number greater than 0 and at most 1")
+    seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = Field(
+        None, description="must be an integer that fits in 64 bits (-2**63 to 2**63 - 1)")
+    stop: Stop | None = Field(None, description=f"must be a non-empty string or an array of at most {MAX_STOP} of them")
+    stream: bool | None = Field(None, description="must be a boolean")
+    stream_options: StreamOptions | None = Field(None, description='must be {"include_usage": boolean}')
+    n: int | None = Field(None, description="must be an integer (only n = 1 is supported)")
+    frequency_penalty: Number | None = Field(None, description="must be a number (only 0 is supported)")
+    presence_penalty: Number | None = Field(None, description="must be a number (only 0 is supported)")
+    store: bool | None = Field(None, description="must be a boolean (only false is supported)")
+    user: Text | None = Field(None, description="must be a string")
+    metadata: Metadata | None = Field(None, description=(
+        f"must be an object of at most {METADATA[0]} string values (keys of at most {METADATA[1]} characters, "
+        f"values of at most {METADATA[2]})"))
+    prediction: Prediction | None = Field(
+        None, description='must be {"type": "content", "content": string or array of text parts}')
+    lookup: bool = Field(True, description="must be a boolean (our extension: false turns drafting off)")
+
+    @field_validator("model")
+    @classmethod
+    def _served(cls, model: str, info: ValidationInfo) -> str:
+        models = (info.context or {}).get("models")
+        if models is not None and model not in models:
+            raise PydanticCustomError("model_not_found", "The model '{model}' does not exist; this server has: "
+                                      "{models}", {"model": _short(model), "models": ", ".join(models)})
+        return model
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise _unsupported("must be 1: only n = 1 is supported")
+        return n
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise _unsupported("is not supported by this server (only 0)")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("is not supported by this server (only false)")
+        return value
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _few_pairs(cls, value: Any) -> Any:  # before reading them: pydantic checks a dict's size after its items
+        if isinstance(value, dict) and len(value) > METADATA[0]:
+            raise PydanticCustomError("too_many_pairs", f"must have at most {METADATA[0]} key-value pairs")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_text(cls, value: dict | None) -> dict | None:
+        for item in (value or {}).items():
+            for text in item:
+                _valid_unicode(text)
+        return value
+
+
+class ChatBody(_Body):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[Message], Field(min_length=1, fail_fast=True)] = Field(
+        description="must be a non-empty array")
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="must be an integer >= 1")
+    logprobs: bool | None = Field(None, description="must be a boolean (only false is supported)")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("is not supported by this server")
+        return value
+
+
+class CompletionBody(_Body):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt = Field(description="must be a non-empty string (one prompt per request)")
+    logprobs: int | None = Field(None, description="must be an integer (only 0 is supported)")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise _unsupported("is not supported by this server")
+        return value
+
+
+BODIES: dict[str, type[_Body]] = {"chat": ChatBody, "completion": CompletionBody}
+CHAT_FIELDS = frozenset(ChatBody.model_fields)
+COMPLETION_FIELDS = frozenset(CompletionBody.model_fields)
+_TEXT_FIELD = {"chat": "messages", "completion": "prompt"}
 
 
 def parse(body, kind: str, models: list[str]) -> Request:
     """Check a decoded JSON body for ``kind`` ("chat" or "completion"); :class:`APIError` (4xx) on anything this
     server cannot honour exactly. ``models``: the names this server answers to."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    allowed = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
-    for key in body:
-        if key in UNSUPPORTED or (key == "messages" and kind != "chat") or (key == "prompt" and kind != "completion"):
-            raise invalid(f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
-        if key not in allowed:
-            raise invalid(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("you must provide a model parameter", param="model", code="missing_required_parameter")
-    if model not in models:
-        raise APIError(404, f"The model '{model}' does not exist; this server has: {', '.join(models)}",
-                       param="model", code="model_not_found")
-    req = Request(kind=kind, model=model)
+    try:
+        checked = BODIES[kind].model_validate(body, context={"models": list(models)})
+    except ValidationError as err:
+        raise _refusal(err, kind, body) from None
+    if checked.stream_options is not None and not checked.stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    limits = [value for value in (checked.max_tokens, getattr(checked, "max_completion_tokens", None))
+              if value is not None]
+    req = Request(
+        kind=kind, model=checked.model,
+        max_tokens=min(limits) if limits else None,  # both given: the smaller one binds
+        temperature=1.0 if checked.temperature is None else checked.temperature + 0.0,  # -0.0 becomes 0.0
+        top_p=1.0 if checked.top_p is None else float(checked.top_p),
+        seed=checked.seed,
+        stop=[checked.stop] if isinstance(checked.stop, str) else list(checked.stop or []),
+        stream=bool(checked.stream),
+        include_usage=checked.stream_options is not None and checked.stream_options.include_usage,
+        lookup=checked.lookup,
+        prediction=None if checked.prediction is None else _joined(checked.prediction.content),
+    )
     if kind == "chat":
-        req.messages = _messages(body.get("messages"))
+        req.messages = [{"role": "system" if m.role == "developer" else m.role, "content": _joined(m.content)}
+                        for m in checked.messages]
     else:
-        req.prompt = _prompt(body.get("prompt"))
-
-    n = body.get("n", 1)
-    if n is not None and (not _is_int(n) or n != 1):
-        raise invalid("only n = 1 is supported", param="n", code="unsupported_parameter")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = body.get(name)
-        if value is not None and (not _is_number(value) or value != 0):
-            raise invalid(f"'{name}' is not supported by this server (only 0)", param=name,
-                          code="unsupported_parameter")
-    if body.get("logprobs") not in (None, False, 0):
-        raise invalid("'logprobs' is not supported by this server", param="logprobs", code="unsupported_parameter")
-    if body.get("store") not in (None, False):
-        raise invalid("'store' is not supported by this server", param="store", code="unsupported_parameter")
-
-    limits = [(name, body.get(name)) for name in ("max_tokens", "max_completion_tokens") if body.get(name) is not None]
-    for name, value in limits:
-        if not _is_int(value) or value < 1:
-            raise invalid(f"'{name}' must be an integer >= 1", param=name)
-    if limits:
-        req.max_tokens = min(value for _, value in limits)
-    req.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if req.top_p == 0.0:
-        raise invalid("'top_p' must be > 0", param="top_p")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise invalid("'seed' must be an integer", param="seed")
-    req.seed = seed
-    req.stop = _stop(body.get("stop"))
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise invalid("'stream' must be a boolean", param="stream")
-    req.stream = bool(stream)
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage"} \
-                or not isinstance(options.get("include_usage", False), bool):
-            raise invalid("'stream_options' must be {\"include_usage\": bool}", param="stream_options")
-        if not req.stream:
-            raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-        req.include_usage = options.get("include_usage", False)
-    lookup = body.get("lookup", True)
-    if not isinstance(lookup, bool):
-        raise invalid("'lookup' must be a boolean", param="lookup")
-    req.lookup = lookup
-    req.prediction = _prediction(body.get("prediction"))
+        req.prompt = checked.prompt if isinstance(checked.prompt, str) else checked.prompt[0]
     return req
 
 
-def _messages(messages) -> list:
-    if messages is None:
-        raise invalid("you must provide a messages parameter", param="messages", code="missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty array", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(f"'{where}' must be an object", param=where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid(f"'{where}.role' must be one of {sorted(ROLES)}" +
-                          (" (tool messages are not supported)" if role in ("tool", "function") else ""),
-                          param=f"{where}.role")
-        extra = set(message) - {"role", "content", "name"}
-        if extra:
-            raise invalid(f"'{where}.{sorted(extra)[0]}' is not supported by this server",
-                          param=f"{where}.{sorted(extra)[0]}", code="unsupported_parameter")
-        content = _text(message.get("content"), f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+def _joined(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+# ------------------------------------------------------------------------------- validation errors -> one APIError
+
+
+def _descriptions(model: type[BaseModel], prefix: str = "", out: dict | None = None) -> dict[str, str]:
+    """``{"messages.content.text": "must be a string", ...}``: each field's description by its dotted name (list
+    indices left out), nested models included."""
+    out = {} if out is None else out
+    for name, info in model.model_fields.items():
+        out[prefix + name] = info.description
+        for inner in _models_in(info.annotation):
+            _descriptions(inner, f"{prefix}{name}.", out)
     return out
 
 
-def _text(content, where: str) -> str:
-    """A string, or OpenAI's array of text parts; other part types (images, audio, files) are refused."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else None
-                raise invalid(f"'{where}[{j}]' must be {{\"type\": \"text\", \"text\": string}}" +
-                              (f" ('{kind}' content is not supported)" if kind and kind != "text" else ""),
-                              param=f"{where}[{j}]")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid(f"'{where}' must be a string or a non-empty array of text parts", param=where)
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The models inside an annotation (``list[Message] | None`` -> ``[Message]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
 
 
-def _prompt(prompt) -> str:
-    if prompt is None:
-        raise invalid("you must provide a prompt parameter", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise invalid("'prompt' must be a string (one prompt per request)", param="prompt")
-    if not prompt:
-        raise invalid("'prompt' must not be empty", param="prompt")
-    return prompt
+_DESCRIBED = {kind: _descriptions(body) for kind, body in BODIES.items()}
+_REQUIRED = {kind: {name for name, info in body.model_fields.items() if info.is_required()}
+             for kind, body in BODIES.items()}
+# What an array element must be, by the error pydantic reports at that element.
+_ELEMENT = {"model_type": "must be an object", "string_type": "must be a string",
+            "string_too_short": "must not be empty"}
+# Errors raised by our own validators (and discriminators): their message already says what is wrong.
+_OWN = {"lone_surrogate", "unsupported_content", "unsupported_parameter", "model_not_found", "content_type",
+        "stop_type", "prompt_type", "too_many_pairs"}
 
 
-def _prediction(prediction) -> str | None:
-    if prediction is None:
-        return None
-    if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type", "content"}:
-        raise invalid("'prediction' must be {\"type\": \"content\", \"content\": string or array of text parts}",
-                      param="prediction")
-    return _text(prediction.get("content"), "prediction.content")
+def _refusal(err: ValidationError, kind: str, body) -> APIError:
+    """The first of pydantic's errors as OpenAI's: unknown and unsupported top-level fields first (as OpenAI
+    reports them), then the model, then the messages or prompt, then the rest in declaration order."""
+    errors = err.errors(include_url=False)
+    text_field = _TEXT_FIELD[kind]
+
+    def rank(error) -> int:
+        loc = error["loc"]
+        if len(loc) == 1 and error["type"] == "extra_forbidden":
+            return 0
+        return 1 if loc[:1] == ("model",) else 2 if loc[:1] == (text_field,) else 3
+
+    return _api_error(min(errors, key=rank), kind, body)
 
 
-def _stop(stop) -> list:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
-        raise invalid(f"'stop' must be a non-empty string or an array of at most {MAX_STOP} of them", param="stop")
-    return stops
+def _api_error(error: dict, kind: str, body) -> APIError:
+    kind_of, described = error["type"], _DESCRIBED[kind]
+    loc = [part for i, part in enumerate(error["loc"])
+           if part not in _TAGS or (i == len(error["loc"]) - 1 and kind_of == "extra_forbidden")]
+    if kind_of == "unknown_field":  # ours (_known_fields), found at the object: the same as pydantic's own
+        kind_of, loc = "extra_forbidden", [*loc, error["ctx"]["field"]]
+    if not loc and kind_of == "model_type":
+        return invalid("the request body must be a JSON object")
+    # The path as the client wrote it (`messages[0].content[1].text`); it stops at a key of a free-form object
+    # (`metadata`), whose keys are not fields.
+    path, pattern, at_element = "", "", False
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            path, at_element = f"{path}[{part}]", True
+            continue
+        name = f"{pattern}.{part}" if pattern else part
+        last_extra = i == len(loc) - 1 and kind_of == "extra_forbidden"
+        if name not in described and not last_extra:
+            break
+        path, pattern, at_element = f"{path}.{part}" if path else part, name, False
+    top = len(loc) == 1
+    if kind_of == "field_name_unicode" or kind_of == "string_unicode" and not isinstance(_at(body, loc), str):
+        # A key, not a value: pydantic checks keys as it reads them.
+        where = f"'{path}'" if path else "the request body"
+        return invalid(f"{where} has a field name that is not valid Unicode: it contains a lone surrogate",
+                       param=path or None)
+
+    if kind_of == "extra_forbidden":
+        field_name = loc[-1]
+        if top and (field_name in UNSUPPORTED or field_name in set(_TEXT_FIELD.values()) - {_TEXT_FIELD[kind]}):
+            return invalid(f"'{field_name}' is not supported by this server", param=path,
+                           code="unsupported_parameter")
+        if pattern.startswith("messages.") and pattern.count(".") == 1 and field_name in UNSUPPORTED_IN_MESSAGES:
+            why = (": the chat template cannot carry participant names, and this server never drops a field"
+                   if field_name == "name" else "")
+            return invalid(f"'{_short(path)}' is not supported by this server{why}", param=path,
+                           code="unsupported_parameter")
+        return invalid(f"Unrecognized request argument supplied: {_short(path)}", param=_short(path, 256),
+                       code="unknown_parameter")
+    if kind_of == "model_not_found":
+        return APIError(404, error["msg"], param="model", code="model_not_found")
+    if kind_of == "missing" or (top and path in _REQUIRED[kind] and error.get("input", 0) is None):
+        if top:
+            return invalid(f"you must provide a {path} parameter", param=path, code="missing_required_parameter")
+        return invalid(f"'{path}' is required: it {described.get(pattern, 'must be given')}", param=path,
+                       code="missing_required_parameter")
+    if kind_of == "string_unicode":  # a lone surrogate, found by pydantic before our own check
+        return invalid(f"'{path}' is not valid Unicode: it contains a lone surrogate", param=path)
+    if kind_of in _OWN:
+        code = "unsupported_parameter" if kind_of == "unsupported_parameter" else None
+        return invalid(f"'{path}' {error['msg']}", param=path, code=code)
+    description = _ELEMENT.get(kind_of) if at_element else described.get(pattern)
+    if pattern == "messages.role" and not at_element and error.get("input") in ("tool", "function"):
+        description += " (tool messages are not supported)"
+    return invalid(f"'{path}' {description or error['msg'].lower()}", param=path)
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value) or not low <= value <= high:
-        raise invalid(f"'{name}' must be a number between {low:g} and {high:g}", param=name)
-    return float(value)
+def _at(body, loc: list):
+    """What ``loc`` points at in ``body`` (None when it cannot be followed)."""
+    for part in loc:
+        try:
+            body = body[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _short(name: str, limit: int = 64) -> str:
+    """A client-supplied name, cut to a size fit for an error message."""
+    return name if len(name) <= limit else name[:limit] + "..."
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+def _encodable(text: str | None) -> str | None:
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------------- responses
@@ -235,12 +484,42 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, accepted: int, rejected: int) -> dict:
-    """OpenAI's usage object; ``accepted`` / ``rejected``: drafted tokens copied from the prediction that the
-    model kept or did not (Predicted Outputs' ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``)."""
+    """OpenAI's usage object. ``accepted`` / ``rejected``: Predicted Outputs' ``accepted_prediction_tokens`` /
+    ``rejected_prediction_tokens`` in OpenAI's meaning, the prediction's tokens that do / do not appear in the
+    completion (:func:`prediction_usage`); what the drafter proposed and the model kept is ours, not these."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens_details": {"accepted_prediction_tokens": accepted,
                                           "rejected_prediction_tokens": rejected, "reasoning_tokens": 0}}
+
+
+def prediction_usage(prediction_ids: Sequence[int], completion_ids: Sequence[int]) -> tuple[int, int]:
+    """``(accepted, rejected)`` in OpenAI's meaning: how many of the prediction's tokens appear in the completion,
+    matched in order, and how many do not; ``accepted + rejected == len(prediction_ids)``.
+
+    Matched in order means the longest common subsequence: each completion token matches at most one prediction
+    token, and matches do not cross (``[1, 2, 3]`` against ``[3, 1, 2]`` accepts 2, not 3). Computed exactly with
+    the bit-parallel LCS of Allison and Dix (1986), in Hyyro's form (2004): one bit per prediction token, a few
+    big-integer operations per completion token, so ``O(len(completion) * len(prediction) / 64)`` machine words
+    whatever the inputs repeat (two 8192-token sequences: tens of milliseconds). difflib's matching blocks are
+    neither an LCS nor bounded: on repetitive inputs they take seconds.
+    """
+    prediction = prediction_ids.tolist() if hasattr(prediction_ids, "tolist") else list(prediction_ids)
+    completion = completion_ids.tolist() if hasattr(completion_ids, "tolist") else completion_ids
+    where: dict[int, int] = {}  # token -> bit i set where prediction[i] is that token
+    for i, token in enumerate(prediction):
+        where[token] = where.get(token, 0) | (1 << i)
+    everything = (1 << len(prediction)) - 1
+    # Bit i of `open_` is cleared once the LCS of prediction[:i+1] and the completion read so far grows at i: the
+    # count of cleared bits is that LCS's length.
+    open_ = everything
+    for token in completion:
+        match = where.get(token)
+        if match:
+            hits = open_ & match
+            open_ = ((open_ + hits) | (open_ - hits)) & everything
+    accepted = len(prediction) - open_.bit_count()
+    return accepted, len(prediction) - accepted
 
 
 def completion(req: Request, rid: str, text: str, finish_reason: str, usage_: dict) -> dict:
