@@ -4,8 +4,11 @@
 - :func:`resolve_generation` turns the arguments of :func:`lookupdec.generate` into the exact logits processors,
   stopping criteria and special tokens plain ``model.generate`` would build, by calling the same (private)
   transformers helpers. Exactness under sampling depends on applying the same processors in the same order.
+  ``stable_temperature`` swaps transformers' temperature warper for :class:`StableTemperatureLogitsWarper`, which
+  gives the distribution a temperature names for every temperature, however small.
 - :func:`target_forward`: one pass of the target on a ``DynamicCache`` (:func:`rollback_cache`), under whichever
   names this transformers version gives the cache and ``logits_to_keep``.
+- :class:`BlockLayer`: a full-attention cache layer that grows in blocks instead of reallocating at every pass.
 - :func:`gather_cache_slots`, :func:`append_cache_rows`: moving a batch's cache slots (the batch loop's compaction)
   and adding a request's rows to a running batch, through the cache layers.
 
@@ -26,6 +29,8 @@ from typing import Any
 import torch
 import transformers
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.cache_utils import DynamicLayer
+from transformers.generation.logits_process import LogitsProcessor, TemperatureLogitsWarper
 
 TESTED = ((5, 24), (6, 0))  # >= 5.24, < 6: the range pyproject.toml admits and the tests run on
 
@@ -92,9 +97,16 @@ def resolve_generation(
     logits_processor: LogitsProcessorList | None,
     stopping_criteria: StoppingCriteriaList | None,
     tokenizer=None,
+    stable_temperature: bool = False,
     **overrides: Any,
 ) -> Resolved:
-    """Build the processors, stopping criteria and EOS set that ``model.generate`` would use for these arguments."""
+    """Build the processors, stopping criteria and EOS set that ``model.generate`` would use for these arguments.
+
+    ``stable_temperature``: replace transformers' temperature warper, in place (it comes before top-k / top-p), by
+    :class:`StableTemperatureLogitsWarper`, which gives the same distribution (to rounding) where transformers' is
+    finite, and the right one where transformers' overflows (a tiny temperature). Off by default:
+    :func:`lookupdec.generate` must apply exactly what ``model.generate`` applies; the server turns it on, since its
+    API accepts any temperature in (0, 2]."""
     overrides = {key: value for key, value in overrides.items() if value is not None}
     config, unused = model._prepare_generation_config(generation_config, max_new_tokens=max_new_tokens, **overrides)
     if unused:
@@ -115,6 +127,10 @@ def resolve_generation(
         device=input_ids.device,
         model_kwargs={},
     )
+    if stable_temperature:
+        processors = LogitsProcessorList(
+            StableTemperatureLogitsWarper(p.temperature) if isinstance(p, TemperatureLogitsWarper) else p
+            for p in processors)
     stopping = None
     if stopping_criteria or config.stop_strings:
         stopping = StoppingCriteriaList(stopping_criteria or [])
@@ -123,6 +139,27 @@ def resolve_generation(
     eos = config._eos_token_tensor
     eos_ids = frozenset(int(t) for t in eos.flatten().tolist()) if eos is not None else frozenset()
     return Resolved(config, processors, stopping, eos_ids, bool(config.do_sample))
+
+
+class StableTemperatureLogitsWarper(LogitsProcessor):
+    """``softmax`` of its output is ``softmax(scores / temperature)`` for every temperature > 0.
+
+    transformers' ``TemperatureLogitsWarper`` computes ``scores / temperature``, which overflows to ``inf`` in
+    float32 once the temperature is below about ``|score| / 3.4e38`` (1e-40 always does), and ``inf - inf`` makes
+    the softmax NaN. Softmax is unchanged by subtracting a row's maximum, and ``(scores - max) / temperature`` cannot
+    overflow upwards: the maximum entries become 0 and the others a finite negative number or ``-inf``. As the
+    temperature goes to 0 the distribution becomes a point mass on the argmax (uniform over exact ties), which is
+    what this gives. The maxima are pinned to 0 explicitly because a temperature below the dtype's smallest
+    subnormal rounds to 0 there, and ``0 / 0`` is NaN."""
+
+    def __init__(self, temperature: float):
+        if not (isinstance(temperature, float) and temperature > 0):
+            raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:  # scores [rows, vocab]
+        shifted = scores - scores.max(dim=-1, keepdim=True).values
+        return torch.where(shifted == 0, shifted, shifted / self.temperature)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -134,23 +171,128 @@ def forward_params(model) -> frozenset:
     return frozenset(inspect.signature(model.forward).parameters)
 
 
-def rollback_cache(model) -> DynamicCache:
+def rollback_cache(model, *, blocks: bool = True) -> DynamicCache:
     """A ``DynamicCache`` that :meth:`crop` can roll back by any number of tokens: sliding-window layers keep their
-    past while a draft is pending (transformers' ``activate_past_recording``), so cropping restores them too."""
+    past while a draft is pending (transformers' ``activate_past_recording``), so cropping restores them too.
+    ``blocks``: when every layer is a plain full-attention layer, they grow in blocks (:class:`BlockLayer`)."""
     cache = DynamicCache(config=model.config)
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
-    return cache
+    return _in_blocks(cache) if blocks else cache
 
 
-def batch_cache(model) -> DynamicCache:
-    """The cache of a batched generation; ``NotImplementedError`` for a model with sliding-window layers (a window
-    counts cache slots, and the batch loop leaves masked holes between a row's slots, which would shrink it)."""
+def batch_cache(model, *, blocks: bool = True) -> DynamicCache:
+    """The cache of a batched generation, its layers growing in blocks (:class:`BlockLayer`) unless ``blocks`` is
+    false; ``NotImplementedError`` for a model with sliding-window layers (a window counts cache slots, and the
+    batch loop leaves masked holes between a row's slots, which would shrink it)."""
     cache = DynamicCache(config=model.config)
     if any(cache.is_sliding):
         raise NotImplementedError("batched lookup decoding needs a model without sliding-window attention; "
                                   "pass one row at a time")
+    return _in_blocks(cache) if blocks else cache
+
+
+def _in_blocks(cache: DynamicCache) -> DynamicCache:
+    """``cache`` with its layers replaced by :class:`BlockLayer` when every one is a plain ``DynamicLayer``
+    (sliding-window, linear-attention and shared layers keep transformers' own classes, and the whole cache then
+    stays as it is: one kind of layer is what the tests cover)."""
+    if cache.layers:
+        if all(type(layer) is DynamicLayer and not layer.is_initialized for layer in cache.layers):
+            cache.layers = [BlockLayer() for _ in cache.layers]
+    elif cache.layer_class_to_replicate is DynamicLayer:  # a config without layer types: layers come lazily
+        cache.layer_class_to_replicate = BlockLayer
     return cache
+
+
+class BlockLayer(DynamicLayer):
+    """A full-attention cache layer whose ``keys`` / ``values`` [rows, heads, slots, dim] are views of the first
+    ``slots`` positions of a larger buffer (its *room*), grown by whole blocks of :attr:`block_slots` positions.
+
+    transformers' ``DynamicLayer`` concatenates at every pass, so every decoding step reallocates every layer one
+    step longer; that churn fragments the host heap. Here a pass writes into the room and moves the view's end;
+    only every ``block_slots`` tokens (per row) is a layer reallocated. :meth:`crop` (inherited) only shortens the
+    view, without a copy.
+
+    Invariant: the room is used only while ``keys`` (resp. ``values``) is still a prefix view of it. Code that
+    treats the layer as a ``DynamicLayer`` and assigns ``layer.keys`` (transformers' ``offload``,
+    ``reorder_cache``, ``batch_repeat_interleave``) makes that tensor the truth again, and the next :meth:`update`
+    copies it into a fresh room; so the class cannot disagree with such code. This module's own
+    :func:`gather_cache_slots` and :func:`append_cache_rows` build their result in a room with spare blocks.
+
+    Writing into the room after a crop overwrites slots an older, longer view still sees: nothing may keep a view
+    from one pass to the next (the models only read the views ``update`` returns, within the pass).
+    """
+
+    block_slots = 256  # a 2k-token answer reallocates 8 times instead of 2,000; rows carry < 256 spare slots
+
+    def __init__(self, **kwargs):
+        self._key_room: torch.Tensor | None = None  # [rows, heads, capacity, dim]
+        self._value_room: torch.Tensor | None = None
+        super().__init__(**kwargs)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # states [rows, heads, new, dim]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self._key_room = _extend(self.keys, self._key_room, key_states, self.block_slots)
+        self.values, self._value_room = _extend(self.values, self._value_room, value_states, self.block_slots)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices``, selected from the rooms (one copy, the spare slots kept)."""
+        if self.get_seq_length() > 0 and _is_prefix(self.keys, self._key_room) \
+                and _is_prefix(self.values, self._value_room):
+            slots = self.keys.shape[2]
+            self._key_room = self._key_room[indices]
+            self._value_room = self._value_room[indices]
+            self.keys, self.values = self._key_room[:, :, :slots], self._value_room[:, :, :slots]
+        else:
+            super().batch_select_indices(indices)
+
+    def reset(self) -> None:
+        self._key_room = self._value_room = None
+        super().reset()
+
+
+def _is_prefix(view: torch.Tensor | None, room: torch.Tensor | None) -> bool:
+    """Whether ``view`` is ``room[:, :, :n]`` for some ``n`` (the same memory, rows, heads, dim and strides)."""
+    return (room is not None and view is not None and view.dim() == 4 and view.data_ptr() == room.data_ptr()
+            and view.dtype == room.dtype and view.device == room.device and view.stride() == room.stride()
+            and view.shape[:2] == room.shape[:2] and view.shape[3] == room.shape[3])
+
+
+def _extend(view: torch.Tensor, room: torch.Tensor | None, new: torch.Tensor, block: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(view + new, room)``: ``new`` [rows, heads, m, dim] written after ``view`` [rows, heads, n, dim] in
+    ``room``, or in a fresh room of a whole number of blocks (``view`` copied in first) when ``view`` is not a
+    prefix of ``room`` or ``room`` has no space left."""
+    n = view.shape[2] if view.dim() == 4 else 0  # lazy initialisation leaves a 1-D empty tensor
+    end = n + new.shape[2]
+    fits = (_is_prefix(view, room) and room.dtype == new.dtype and end <= room.shape[2]
+            and room.shape[:2] == new.shape[:2] and room.shape[3] == new.shape[3])  # no silent broadcast
+    if not fits:
+        room = new.new_empty((new.shape[0], new.shape[1], _blocks(end, block), new.shape[3]))
+        if n:
+            room[:, :, :n] = view
+    room[:, :, n:end] = new
+    return room[:, :, :end], room
+
+
+def _blocks(slots: int, block: int) -> int:
+    return -(-slots // block) * block
+
+
+def _capacity(layer, slots: int) -> int:
+    """The room to give ``layer`` for ``slots`` used slots: whole blocks for a :class:`BlockLayer`, else exactly."""
+    return _blocks(slots + 1, layer.block_slots) if isinstance(layer, BlockLayer) else slots
+
+
+def _set_rooms(layer, key_room: torch.Tensor, value_room: torch.Tensor, slots: int) -> None:
+    """Make the first ``slots`` slots of the rooms [rows, heads, capacity, dim] ``layer``'s keys and values. Plain
+    assignments only: nothing here can fail half-way."""
+    if isinstance(layer, BlockLayer):
+        layer._key_room, layer._value_room = key_room, value_room
+    layer.keys, layer.values = key_room[:, :, :slots], value_room[:, :, :slots]
 
 
 def target_forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset, mask=None,
@@ -168,21 +310,49 @@ def target_forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset
 
 def append_cache_rows(cache: DynamicCache, other: DynamicCache) -> None:
     """Append the rows of ``other`` to ``cache`` (both of the same model), in every layer; whichever holds fewer
-    slots is left-padded with zeros, which the caller's attention mask must leave out."""
+    slots is left-padded with zeros, which the caller's attention mask must leave out.
+
+    All or nothing: every layer's new keys and values are built before any layer is changed, so a failure (out of
+    memory, typically) leaves ``cache`` as it was and the running batch intact. The price is the peak: the old and
+    the grown cache are both held until the end, not one layer at a time. A :class:`BlockLayer` gets its spare
+    blocks in the same allocation."""
+    grown = []
     for layer, new in zip(cache.layers, other.layers, strict=True):
         width = max(layer.keys.shape[2], new.keys.shape[2])
-        layer.keys = torch.cat([_pad_slots(layer.keys, width), _pad_slots(new.keys, width)])
-        layer.values = torch.cat([_pad_slots(layer.values, width), _pad_slots(new.values, width)])
+        capacity = _capacity(layer, width)
+        grown.append((_rows_in_room([layer.keys, new.keys], width, capacity),
+                      _rows_in_room([layer.values, new.values], width, capacity), width))
+    for layer, (keys, values, width) in zip(cache.layers, grown):
+        _set_rooms(layer, keys, values, width)
 
 
-def _pad_slots(states: torch.Tensor, width: int) -> torch.Tensor:  # [rows, heads, slots, dim]
-    return torch.nn.functional.pad(states, (0, 0, width - states.shape[2], 0)) if states.shape[2] < width else states
+def _rows_in_room(parts: list[torch.Tensor], width: int, capacity: int) -> torch.Tensor:
+    """A room [sum of rows, heads, capacity, dim] holding the rows of each part [rows_i, heads, slots_i, dim] in
+    order, each part's slots ending at slot ``width`` with zeros before them (the spare slots after ``width`` are
+    left unset)."""
+    first = parts[0]
+    room = first.new_empty((sum(part.shape[0] for part in parts), first.shape[1], capacity, first.shape[3]))
+    row = 0
+    for part in parts:
+        rows, pad = part.shape[0], width - part.shape[2]
+        room[row: row + rows, :, :pad] = 0
+        room[row: row + rows, :, pad: width] = part
+        row += rows
+    return room
 
 
 def gather_cache_slots(cache: DynamicCache, order: torch.Tensor) -> None:
-    """Keep, for each row ``i``, the cache slots ``order[i]`` [rows, kept] in that order, in every layer."""
+    """Keep, for each row ``i``, the cache slots ``order[i]`` [rows, kept] in that order, in every layer (into a
+    fresh room with spare blocks for a :class:`BlockLayer`). All or nothing, as :func:`append_cache_rows`."""
+    kept = order.shape[1]
+    gathered = []
     for layer in cache.layers:
-        index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-        layer.keys = torch.gather(layer.keys, 2, index)
-        index = order[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
-        layer.values = torch.gather(layer.values, 2, index)
+        rooms = []
+        for states in (layer.keys, layer.values):  # [rows, heads, slots, dim]
+            index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+            room = states.new_empty((states.shape[0], states.shape[1], _capacity(layer, kept), states.shape[3]))
+            torch.gather(states, 2, index, out=room[:, :, :kept])
+            rooms.append(room)
+        gathered.append(rooms)
+    for layer, (keys, values) in zip(cache.layers, gathered):
+        _set_rooms(layer, keys, values, kept)
