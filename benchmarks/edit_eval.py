@@ -1,4 +1,4 @@
-"""How often ``lookupdec reformat --instruction`` lands a real edit, and how fast, on real configs (issue 18).
+"""How often ``lookupdec reformat --instruction`` lands a real edit, and how fast, on real configs (issues 18, 25).
 
 The set is ``benchmarks/edits/``: configs copied from public projects (``configs/``, sources and licences in
 ``cases.yaml``) and one- or two-value instructions, each with the data the file must hold afterwards, written as
@@ -26,15 +26,15 @@ from the end of the model load (the loader's last progress line on stderr) to th
 must give the same result; ``same`` says whether they did (exit code, error line and written bytes).
 
 Writes ``edit_eval.json`` (every run, with the command's error line) and ``edit_eval.md`` (the table and totals)
-into ``--out`` (default ``benchmarks/results/``). Targets from the issue: at least 70 % right, at most 1 in 20
-wrong edits written.
+into ``--out`` (default ``benchmarks/results/``). Targets from issue 25: at least 85 % right and no wrong edit
+written.
 
 Bench dependency: PyYAML only (already a dependency of lookupdec); tags are kept by a loader defined here.
 
 Examples::
 
     python -m benchmarks.edit_eval --check                 # validate cases.yaml against the configs, no model
-    python -m benchmarks.edit_eval --quick                 # one case per config (12), lookup and plain
+    python -m benchmarks.edit_eval --quick                 # one case per config (22), lookup and plain
     python -m benchmarks.edit_eval                         # all cases; ~1 min per case on one core
     python -m benchmarks.edit_eval --plain quick           # all cases, plain-decoding timing on the quick ones only
     python -m benchmarks.edit_eval --cases k8s-replicas rtd-python --out /tmp/edits
@@ -406,7 +406,7 @@ def totals(results: list[Result]) -> dict:
         "median_wall_ratio": statistics.median(walls) if walls else None,
         "same_result": sum(bool(r.same) for r in results if r.same is not None),
         "compared": sum(r.same is not None for r in results),
-        "meets_target": n > 0 and counts["right"] / n >= 0.70 and counts["wrong"] / n <= 1 / 20,
+        "meets_target": n > 0 and counts["right"] / n >= 0.85 and counts["wrong"] == 0,
     }
 
 
@@ -429,7 +429,7 @@ def _cell(text: str, width: int = 120) -> str:
 
 def markdown(results: list[Result], summary: dict, meta: dict) -> str:
     lines = [
-        "# Edit evaluation (issue 18)",
+        "# Edit evaluation (issues 18, 25)",
         "",
         (f"{meta['date']}, {meta['machine']}, lookupdec at {meta['commit']}. Command: `{meta['command']}`"
          + (f" (judged again {meta['rejudged']})." if meta.get("rejudged") else ".")),
@@ -455,7 +455,7 @@ def markdown(results: list[Result], summary: dict, meta: dict) -> str:
         (f"**{s['cases']} cases**: right {s['right']} ({s['right_pct']:.0f} %), rejected {s['rejected']} "
          f"({s['rejected_pct']:.0f} %), refused {s['refused']} ({s['refused_pct']:.0f} %), wrong but written "
          f"{s['wrong']} ({s['wrong_pct']:.0f} %), broken {s['broken']} ({s['broken_pct']:.0f} %)."),
-        f"Target (at least 70 % right, at most 1 in 20 wrong written): {'met' if s['meets_target'] else 'not met'}.",
+        f"Target (at least 85 % right, no wrong edit written): {'met' if s['meets_target'] else 'not met'}.",
         (f"Median lookup speedup over plain decoding: {_fmt_x(s['median_speedup'])} over {s['timed_pairs']} timed "
          f"pairs ({_fmt_x(s['median_speedup_measured'])} where both runs printed their decode time); median "
          f"wall-time ratio {_fmt_x(s['median_wall_ratio'])}. Lookup and plain gave the same result in "

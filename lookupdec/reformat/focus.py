@@ -16,9 +16,11 @@ and values of the file as PyYAML composes it (so every entry has a path and exac
   / ``every`` or names the shared old value, and broken by how close the old value is to the new one; a tie left
   after that is *ambiguous*, for the model to judge (:mod:`~lookupdec.reformat.prompts`, ``build_judge``).
 - :func:`unasked_change` is the check every edited result passes before it is written: each change in the data
-  must be at or next to a target, named by a clause (its key, or its old value as the thing to replace), be a
-  value the clause gives when it gives one (``to 9090``: ``9090``, not ``909``; ``to v5``: ``checkout@v5``), and
-  keep its type (``"2000"`` stays a string). A change no clause asked for is a wrong edit and is rejected.
+  must be at or next to a target, named by a clause (its key, or its old value as the thing to replace), be
+  what the clause implies when it gives a value (:func:`implied`: the whole value, or exactly the named part of
+  a ``KEY=VALUE``, ``name:tag``, ``owner/repo@ref``; ``to 9090``: ``9090``, not ``909``; ``to v5``:
+  ``checkout@v5``, not ``checkout@v4v5``), and keep its type (``"2000"`` stays a string). A change no clause
+  asked for is a wrong edit and is rejected.
 
 Decisions. An instruction that names nothing in the file (``add a comment to every key``) concerns every section.
 One that asks to move, sort or merge things (:attr:`Instruction.structural`) cannot be made section by section,
@@ -343,7 +345,10 @@ def score(clause: Clause, entry: Entry) -> tuple:
     by_value = 0
     for lit in clause.old:  # a value named as the one to replace names the entry as well as its key would
         if any(_contains(v, lit) for v in values):
-            by_value = max(by_value, 3 * len(set(atoms(lit)) - used) + any(v == lit for v in values))
+            # the whole value, or the whole KEY of a KEY=VALUE item (``set ADDRESS to ...``: ``ADDRESS=0.0.0.0``
+            # over ``ipv4_address``), named exactly: one more
+            exact = any(v == lit or v.split("=", 1)[0] == lit for v in values)
+            by_value = max(by_value, 3 * len(set(atoms(lit)) - used) + exact)
     value_words = {a for v in values for a in atoms(v) if a.isalpha() and len(a) > 2}
     if not by_value and any(set(atoms(lit)) & value_words for lit in clause.new):
         by_value = 2  # weaker: the new value looks like this one (a word shared, no number)
@@ -427,11 +432,12 @@ def unasked_change(changes: Sequence[Change], instruction: Instruction, targets:
     """Why one of ``changes`` is not what ``instruction`` asked for (one line), or None when every change is.
 
     A change is asked for when it lies at a target or next to one (an item of the target's list, a key added
-    beside it, or inside its flow collection; anywhere when no entry was chosen) and some clause asks for it: the clause names its key (for a list item, the list's
-    key) or names its old value as the one to replace; when the clause gives a value, the new value holds no
-    word the clause lacks (``actions/checkout@v5`` for ``... to v5``); a removal needs a clause that removes; a
-    value keeps its type (an int stays a number, a quoted string a string) unless it was empty; a boolean
-    flips only when the clause says true, false, enable, disable, on or off.
+    beside it, or inside its flow collection; anywhere when no entry was chosen) and some clause asks for it:
+    the clause names its key (for a list item, the list's key) or names its old value as the one to replace;
+    when the clause gives a value, the new value is one it implies (:func:`implied`: ``actions/checkout@v5``
+    for ``... to v5``); a removal needs a clause that removes, and a clause that only removes adds nothing; a
+    value keeps its type (an int stays a number, a quoted string a string) unless it was empty; a boolean flips
+    only when the clause says true, false, enable, disable, on or off.
     """
     for change in changes:
         if targets and not any(near(change, t.path) for t in targets):
@@ -473,12 +479,14 @@ def _clause_refuses(clause: Clause, change: Change, targets: Sequence[Entry]) ->
     if change.kind == "removed":
         return None if clause.removes or clause.renames else (
             f"it removes {format_path(change.path)}, which the instruction does not ask to remove")
+    if change.kind == "added" and clause.removes and not (clause.gives_value or clause.renames or clause.replaces):
+        return f"it writes {change}, which an instruction that only removes does not add"
     if isinstance(change.new, bool) or change.kind == "changed" and isinstance(change.old, bool):
         if not clause.booleans:
             return f"it writes {change}, a value the instruction does not give"
     elif clause.gives_value or clause.replaces:
         given = clause.given if clause.gives_value else clause.given + clause.context_given
-        if change.kind == "changed" and not _writes_given(change.old, change.new, given):
+        if change.kind == "changed" and not _writes_given(change.old, change.new, given, clause.old):
             return f"it writes {change}, a value the instruction does not give"
         if change.kind == "added" and not all(_writes_given(None, v, given) for v in _scalars(change.new)):
             return f"it writes {change}, a value the instruction does not give"
@@ -491,23 +499,86 @@ def _is_item(path: tuple) -> bool:
     return isinstance(path[-1], int) and not isinstance(path[-1], bool)
 
 
-def _writes_given(old: Any, new: Any, given: Sequence[str]) -> bool:
-    """Whether ``new`` is a value the clause gives (as written there, case and all), or ``old`` with one word
-    or version replaced by one (``actions/checkout@v4`` -> ``@v5`` for ``to v5``; not ``@v6``, not
-    ``Ubuntu-22.04`` for ``ubuntu-22.04``, not ``10, 10`` for ``10s``)."""
+def _writes_given(old: Any, new: Any, given: Sequence[str], named: Sequence[str] = ()) -> bool:
+    """Whether ``new`` is what the clause implies for an entry holding ``old``: one of ``given`` as written (case
+    and all) in place of the whole value, or of exactly one component of it (:func:`implied`). ``named``: the
+    values the clause names as the ones to replace (lowercased)."""
     text = str(new)
-    if text in given:
-        return True
-    if old is None or isinstance(old, (dict, list)):
-        return False
-    before = str(old)
-    for value in given:
-        for match in _RUN.finditer(before):
-            if before[: match.start()] + value + before[match.end():] == text:
-                return True
-    return False
+    if not isinstance(old, str):  # a number, a tag, a collection, nothing: only a value given whole
+        return text in given
+    return any(text in implied(str(old), value, named) for value in given)
 
 
+def implied(old: str, value: str, named: Sequence[str] = ()) -> set[str]:
+    """Every text an entry holding ``old`` may hold after an instruction gives it ``value``: ``value`` itself (the
+    whole value replaced) or, for a structured scalar, ``old`` with exactly the component the instruction
+    names replaced by ``value`` and the rest kept byte for byte:
+
+    - ``KEY=VALUE`` (cut at the first ``=``): the VALUE side, by a value without ``=`` (``PATH=/usr/bin``, ``set
+      PATH to /opt/bin``: ``PATH=/opt/bin``);
+    - ``name@ref`` (the last ``@``) and ``name:tag`` (the last ``:``, with a letter before it and no ``/`` after
+      it): the ref or tag, by a value without that separator (``actions/checkout@v3`` -> ``@v4``,
+      ``nginx:1.25`` -> ``nginx:1.27``, ``localhost:8080`` -> ``localhost:9090``); or, when the instruction
+      names a ``/``-segment of the name before its last as the one to replace (``replace docker.io with
+      ghcr.io``), that segment, the tag kept;
+    - a path ``a/b/c``: only a segment the instruction names as the one to replace, by a value without ``/``;
+    - a scalar without those separators: a number or version inside it, by a value of the same shape
+      (``ubuntu-22.04`` -> ``ubuntu-24.04`` for ``24.04``, ``18-alpine`` -> ``20-alpine`` for ``20``; not
+      ``18-20``), and then not the whole (``24.04`` alone would drop the ``ubuntu-`` the instruction kept). A
+      word is never a component: ``admin`` for ``${POSTGRES_USER}`` is ``admin``, not ``${admin_USER}``.
+
+    The whole of a ``KEY=VALUE``, ``name@ref`` or ``name:tag`` is replaced only by a value of the same kind
+    (holding that separator): ``set PATH to /opt/bin`` never makes the item ``/opt/bin``, nor ``bump nginx to
+    1.27`` the image ``1.27``. A scalar with other colons (``8080:80``, ``127.0.0.1:80``) has no tag: only a
+    whole value replaces it.
+
+    Decision: a written value that merely contains ``value`` is no replacement (``PATH=/usr//opt/bin``,
+    ``nginx:1.25:1.27``, ``actions/checkout@v3v4`` are not in the set): a wrong write costs a user a broken
+    config, a rejection only a retry, so a reading not listed here is rejected rather than guessed.
+    """
+    if "=" in old:
+        key, rest = old.split("=", 1)
+        if "=" in value:
+            return {value}
+        return {f"{key}={v}" for v in implied(rest, value, named)}
+    for sep in "@:":
+        if sep not in old:
+            continue
+        cut = old.rfind(sep)
+        if sep == ":" and "/" in old[cut:]:
+            break  # a scheme (https://...) or a port with a path after it: a path, not a tag
+        if sep == ":" and not re.search("[A-Za-z]", old[:cut]):
+            return {value} if ":" in value else set()  # a port mapping, an address, a time: no tag to replace
+        if sep in value:
+            return {value}
+        head, tail = old[:cut], old[cut + 1:]
+        owner, slash, name = head.rpartition("/")
+        # the name's last segment (nginx, checkout) is how the instruction points at the entry, not a part to
+        # replace: "bump nginx to 1.27" names nginx and gives the tag
+        renamed = {f"{h}{slash}{name}" for h in _named_segment_replaced(owner, value, named)}
+        if renamed:  # the instruction names a part of the name (the registry): the tag stays
+            return {f"{h}{sep}{tail}" for h in renamed}
+        return {f"{head}{sep}{v}" for v in implied(tail, value, named)}
+    if "/" in old:
+        return {value} | _named_segment_replaced(old, value, named)
+    parts = set()
+    if not any(c in value for c in _SEPARATORS) and any(c.isdigit() for c in value):
+        for match in _RUN.finditer(old):
+            if _shape(match.group()) == _shape(value):
+                parts.add(old[: match.start()] + value + old[match.end():])
+    return parts or {value}  # "to 24.04" for ubuntu-22.04 is ubuntu-24.04, not 24.04
+
+
+def _named_segment_replaced(path: str, value: str, named: Sequence[str]) -> set[str]:
+    """``path`` with one ``/``-segment that ``named`` holds replaced by ``value`` (which holds no separator)."""
+    if any(c in value for c in _SEPARATORS):
+        return set()
+    parts = path.split("/")
+    return {"/".join(parts[:i] + [value] + parts[i + 1:]) for i, part in enumerate(parts)
+            if part and part.lower() in named}
+
+
+_SEPARATORS = "=@:/ "  # what structures a scalar (and a blank, which no single component holds)
 _RUN = re.compile(r"[A-Za-z0-9]+(?:\.[0-9]+)*")  # a word or a dotted version (v5, 3.13, 10-focal -> 10, focal)
 
 
