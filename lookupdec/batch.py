@@ -17,14 +17,30 @@ tokens, so a row sees exactly the keys, at exactly the positions, it would see a
 
 Holes are squeezed out (``_compact``: a gather that moves each row's tokens to the right end) once they outnumber
 the real tokens, so memory stays proportional to the longest row. Finished rows (EOS, budget, stopping criteria)
-leave the batch (``batch_select_indices``) and cost nothing more. Sliding-window models are refused for batches:
-a window counts slots, and holes would shrink it. Per row, outputs are token-identical to single-sequence
-generation, and sampling uses the exact rule per row (one generator, drawn row after row: independent draws).
+leave the batch (``batch_select_indices``) and cost nothing more. Per row, outputs are token-identical to
+single-sequence generation, and sampling uses the exact rule per row (one generator, drawn row after row:
+independent draws).
 
 :class:`BatchRun` holds a running batch. :func:`generate_batch` prefills its rows together and steps until all
-are done; ``lookupdec serve`` lets requests join between steps (:meth:`BatchRun.join`: prefilled alone, exactly
-as a single-row generation is, then appended to the batch's cache with masked left padding) and leave when done
-or cancelled, each with its own settings (greedy, or sampling with its own seed).
+are done. ``lookupdec serve`` lets requests join between steps and leave when done or cancelled, each with its own
+settings (greedy, or sampling with its own seed):
+
+- **Joining.** A request's prompt is prefilled alone, on a cache of its own, exactly as a single-row generation
+  prefills it (in one pass, or in chunks: :meth:`BatchRun.enqueue`, :meth:`BatchRun.prefill_pending`); its first
+  token is picked from the last pass, and its cache rows are appended to the batch's (the shorter side
+  left-padded with masked slots). A long prompt is prefilled a chunk per step, each chunk about as costly as a
+  step of the running batch, so it delays the running requests by about one step per step instead of stalling
+  them for its whole prefill; with nothing running it is prefilled in chunks of about a second
+  (:data:`LONE_CHUNK_S`), so a request arriving meanwhile soon joins. Chunking changes no output: a chunk's
+  queries see the keys before it and its own causally, as in one pass (the tests compare greedy outputs with
+  plain ``generate``, on tiny models and SmolLM2).
+- **Failures are the row's own.** A join that fails leaves the batch as it was. An exception that belongs to one
+  row (its verification or logits processors, its drafting session, its ``on_commit`` callback) ends that row
+  (:attr:`Row.error`) and removes it from the batch; the others go on, unchanged. Only a failure of what the rows
+  share (the forward pass, the cache) fails the batch.
+- **Sliding-window models** (a window counts cache slots, and holes would shrink it) run one row at a time
+  (:attr:`BatchRun.single`), on a cache that can roll back (:func:`~lookupdec._transformers.rollback_cache`),
+  as the single-row loop runs them; :func:`generate_batch` refuses them.
 """
 
 
@@ -42,6 +58,7 @@ from ._transformers import (
     batch_cache,
     forward_params,
     gather_cache_slots,
+    rollback_cache,
     target_forward,
 )
 from .drafter import EMPTY
@@ -50,13 +67,41 @@ from .verify import greedy_verdict
 
 _COMPACT_SLACK = 64  # cache slots of holes tolerated beyond the longest row's tokens, before compacting
 
+# Chunked prefill (the server's joins). Budgets of a round of prefill work, from the last prefill pass's rate (its
+# tokens per second; a pass also pays a fixed cost: on a CPU, reading every weight once, ~0.1 s for SmolLM2-135M in
+# fp32 on 2 cores):
+# - while rows decode, half a step of the running batch (BUSY_STEP_SHARE): rate x step time x share, within
+#   [CHUNK_MIN, CHUNK_MAX] tokens, so the running requests decode at about 1.5x their time alone (a whole step's
+#   worth would double it, and a request that arrived during a lone chunk would then take more than twice as long);
+# - while none does, LONE_CHUNK_S seconds' worth (at least CHUNK_MIN tokens): a request that arrives meanwhile
+#   waits about that long, not for the whole prompt, and a prompt that fits (every prompt on a GPU; on a CPU a few
+#   hundred tokens) is prefilled in one pass. Longer ones pay for the chunks on a CPU: SmolLM2-135M, one thread,
+#   4,000 tokens took 11.1 s in one pass, 12.3 s in chunks of 512, 14.0 s in chunks of 128 and 17.7 s in chunks of
+#   64 (a pass with cached keys also attends through an explicit mask, one without through the causal kernel).
+#   None: whole prompts (a lone request pays nothing; one that arrives meanwhile waits for the whole prefill).
+CHUNK_MIN = 16
+CHUNK_MAX = 512
+BUSY_STEP_SHARE = 0.5
+LONE_CHUNK_S: float | None = 0.5
+_CHUNK_FIRST = 128  # the budgets before any prefill pass was timed
+_LONE_FIRST = 512
+_STEP_SMOOTHING = 0.5  # weight of the newest pass in the running estimate of a step's time
+
 
 class Row:
     """One request of a batch: its prompt, settings, drafting session, committed tokens and figures.
 
     ``pick(logits, draft, process, position) -> Verdict`` verifies its drafts (``position``: how many tokens it
     has generated before this pass). ``on_commit(tokens, done)``, when given, is told each pass's committed
-    tokens (a list) and whether the row is done. Setting ``cancelled`` ends the row at the next step.
+    tokens (a list) and whether the row is done. :meth:`cancel` (or setting ``cancelled``) ends the row at the
+    next step, or at once while its prompt is being prefilled.
+
+    Once done, :attr:`finish_reason` says why: ``"stop"`` (EOS or a stopping criterion), ``"length"``,
+    ``"cancelled"``, or ``"error"`` (then :attr:`error` holds the exception, and the row's session is left
+    unfinished: nothing of a failed row joins the rolling cache). A done row finishes its session (its output
+    joins the rolling cache), except one that ended by itself while :attr:`hold_session` is set: its owner then
+    calls :meth:`finish_session` once it knows how much of the output it used (the server: after looking for stop
+    strings in the text).
     """
 
     def __init__(self, prompt: torch.Tensor, resolved, session, max_new_tokens: int, pick: Callable, *,
@@ -72,7 +117,11 @@ class Row:
         self.on_commit = on_commit
         self.owner = owner  # the caller's handle on this row (the server's request)
         self.cancelled = False
-        self.finish_reason = None  # "stop" (EOS or a stopping criterion), "length" or "cancelled", once done
+        self.keep: int | None = None  # cancel(keep=n): only the first n generated tokens reached the caller
+        self.hold_session = False
+        self.held = False  # the row ended by itself with hold_session set: its session awaits finish_session()
+        self.finish_reason = None
+        self.error: BaseException | None = None
         self.seq = torch.empty((1, self.prompt_len + max_new_tokens), dtype=torch.long, device=prompt.device)
         self.seq[:, : self.prompt_len] = prompt
         self.cur = self.prompt_len
@@ -82,6 +131,10 @@ class Row:
         self.step_tokens: list = []
         self.draft = EMPTY
         self.pass_seconds = 0.0
+        # Prefill in chunks: the row's own cache and how many prompt tokens it holds, until the row joins.
+        self.prefill_cache = None
+        self.prefilled = 0
+        self.prefill_seconds = 0.0
         if trace is not None:
             trace.start(prompt[0].tolist())
 
@@ -94,6 +147,18 @@ class Row:
         """The tokens generated so far [n]."""
         return self.seq[0, self.prompt_len: self.cur]
 
+    def cancel(self, keep: int | None = None) -> None:
+        """End this row at the next step (safe from any thread). ``keep``: only the first ``keep`` generated
+        tokens were used (a stop string ended the answer there), so only they join the rolling cache; several
+        calls keep the smallest."""
+        self.keep_at_most(keep)
+        self.cancelled = True
+
+    def keep_at_most(self, keep: int | None) -> None:
+        """Only the first ``keep`` generated tokens were used (None: no limit); the smallest limit given holds."""
+        if keep is not None:
+            self.keep = keep if self.keep is None else min(self.keep, keep)
+
     def verdict(self, logits: torch.Tensor, draft: np.ndarray):
         return self.pick(logits, draft, self.process, self.generated)
 
@@ -103,7 +168,8 @@ class Row:
     def _commit(self) -> bool:
         """Commit the last pass's tokens (the accepted ones are in ``seq`` already, the target's follows);
         ``True`` when the row is done."""
-        if self.cancelled:
+        cancelled = self.cancelled  # read once: another thread may set it meanwhile
+        if cancelled:
             done, keep, self.finish_reason = True, 0, "cancelled"
         else:
             n_new = len(self.step_tokens)
@@ -114,16 +180,31 @@ class Row:
         if done and self.finish_reason is None:
             self.finish_reason = "stop" if self._stopped(committed) else "length"
         self.stats.new_tokens += keep
-        if self.trace is not None and not self.cancelled:
+        if self.trace is not None and not cancelled:
             self.trace.step(self.draft.tolist(), len(self.step_tokens) - 1, self.step_tokens[-1], keep,
                             self.pass_seconds)
         if self.on_commit is not None:
             self.on_commit(committed, done)
-        if not self.cancelled:  # the pass time belongs to the batch (observed there), not to this row's draft
-            self.session.commit(np.asarray(self.step_tokens, dtype=np.int32))
+        # Only what was kept: the session never sees the tokens a pass produced after an EOS or past the budget.
+        # (The pass time belongs to the batch, observed there, not to this row's draft.)
+        if committed:
+            self.session.commit(np.asarray(committed, dtype=np.int32))
         if done:
-            self.session.finish()
+            if cancelled or not self.hold_session:
+                self.finish_session()
+            else:
+                self.held = True
         return done
+
+    def finish_session(self) -> None:
+        """End the session: its output joins the rolling cache, all of it or the first :attr:`keep` tokens."""
+        if self.keep is not None and self.keep < self.generated:
+            self.session.finish(max(self.keep, 0))
+        else:
+            self.session.finish()
+
+    def _fail(self, err: BaseException) -> None:
+        self.error, self.finish_reason = err, "error"
 
     def _stopped(self, committed: list) -> bool:
         """Whether the row's last committed token ended it by itself (EOS, a stopping criterion), not the budget."""
@@ -136,9 +217,13 @@ class Row:
 
 
 class BatchRun:
-    """A running batch on one model and drafter: rows join (:meth:`prefill` for a starting set, :meth:`join` one
-    at a time between steps), each :meth:`step` commits the last pass's tokens, lets finished rows go, and runs
-    the next pass for the rest."""
+    """A running batch on one model and drafter: rows join (:meth:`prefill` for a starting set; :meth:`join` one
+    at a time between steps, or :meth:`enqueue` and :meth:`prefill_pending` for a prefill in chunks), each
+    :meth:`step` commits the last pass's tokens, lets finished rows go, and runs the next pass for the rest.
+
+    :attr:`single`: the model has sliding-window layers, so the run holds one row at a time, on a cache that can
+    roll back (the single-row loop's), and refuses a second.
+    """
 
     def __init__(self, model, drafter):
         self.model, self.drafter = model, drafter
@@ -146,7 +231,13 @@ class BatchRun:
         self.params = forward_params(model)
         if "position_ids" not in self.params:
             raise NotImplementedError(f"{type(model).__name__}.forward takes no position_ids; batches need them")
+        try:
+            batch_cache(model)
+            self.single = False
+        except NotImplementedError:  # sliding-window layers
+            self.single = True
         self.rows: list[Row] = []  # running rows, in cache order
+        self.joining: list[Row] = []  # rows whose prompt is being prefilled (enqueue), oldest first
         self.stats = GenerationStats()  # passes and model time of the whole batch
         # Cache bookkeeping: ``kv_mask[i, slot]`` says whether a cache slot holds one of row i's tokens;
         # ``counts[i]`` how many do, which is also the position of its last committed token, the one not yet in
@@ -156,6 +247,8 @@ class BatchRun:
         self.counts = np.zeros(0, dtype=np.int64)
         self._feed = host_buffer(0, self.device)
         self._seconds = 0.0  # the last pass's forward time
+        self.step_seconds: float | None = None  # running estimate of a decoding step's forward time
+        self.prefill_rate: float | None = None  # prompt tokens per second of the last prefill pass
         # One row whose cache holds no hole or padding: its passes run as a single-row generation's do, without a
         # mask or positions (which would make the model build a full attention mask every step).
         self._solo = False
@@ -167,64 +260,228 @@ class BatchRun:
         """Start an empty batch with ``rows`` prefilled in one pass, as plain batched generate does it: their
         prompts are ``input_ids`` [B, L], left padding masked out by ``mask``, positions counted from each row's
         start."""
-        if self.rows:
+        if self.rows or self.joining:
             raise RuntimeError("prefill starts an empty batch; use join() to add to a running one")
-        self.cache = batch_cache(self.model)
+        if self.single:
+            raise NotImplementedError("a sliding-window model runs one row at a time; use join()")
+        cache = batch_cache(self.model)
         mask = mask.to(self.device)
         positions = mask.long().cumsum(-1) - 1
         positions.masked_fill_(~mask, 1)
-        logits = self._forward(input_ids.to(self.device), 1, self.cache, mask, positions)  # [batch, 1, vocab]
+        logits = self._forward(input_ids.to(self.device), 1, cache, mask, positions)  # [batch, 1, vocab]
+        for row in rows:
+            row.prefilled, row.prefill_seconds = row.prompt_len, self._seconds
         self._first_tokens(rows, logits)
-        self.rows = list(rows)
+        self.cache, self.rows = cache, list(rows)
         self.kv_mask = mask
         self.counts = lengths.cpu().numpy().astype(np.int64)
         self._solo = False
 
+    # ------------------------------------------------------------------ joining
+
     def join(self, row: Row) -> None:
-        """Add ``row`` to the batch before the next step: its prompt is prefilled alone (the pass a single-row
-        generation runs), and its cache slots are appended to the batch's, the shorter side left-padded with
-        masked slots."""
-        cache = batch_cache(self.model)
-        logits = self._forward(row.prompt, 1, cache)  # [1, 1, vocab]
+        """Add ``row`` to the batch before the next step: its prompt is prefilled alone in one pass (the pass a
+        single-row generation runs), and its cache slots are appended to the batch's, the shorter side
+        left-padded with masked slots. All or nothing: when this raises, the batch is as it was."""
+        self._check_room(row)
+        try:
+            self._prefill(row, row.prompt_len - row.prefilled)
+        except BaseException:
+            row.prefill_cache, row.prefilled, row.prefill_seconds = None, 0, 0.0
+            raise
+
+    def enqueue(self, row: Row) -> None:
+        """Queue ``row`` to be prefilled by :meth:`prefill_pending`, which adds it to the batch once its prompt is
+        in."""
+        self._check_room(row)
+        self.joining.append(row)
+
+    def _check_room(self, row: Row) -> None:
+        if self.single and (self.rows or self.joining):
+            raise RuntimeError("this model has sliding-window layers: it runs one row at a time")
+        if row in self.rows or row in self.joining:
+            raise ValueError("the row is in the batch already")
+
+    def busy_budget(self) -> int:
+        """Prompt tokens a round of prefill may spend while rows decode: about half a step's worth."""
+        if self.prefill_rate is None or self.step_seconds is None:
+            return _CHUNK_FIRST
+        return int(min(max(self.prefill_rate * self.step_seconds * BUSY_STEP_SHARE, CHUNK_MIN), CHUNK_MAX))
+
+    def lone_budget(self) -> int | None:
+        """Prompt tokens a round of prefill may spend while no row decodes (:data:`LONE_CHUNK_S`); None: all of
+        them (also for a single-row run, which has nothing else to run meanwhile)."""
+        if self.single or LONE_CHUNK_S is None:
+            return None
+        if self.prefill_rate is None:
+            return _LONE_FIRST
+        return int(max(self.prefill_rate * LONE_CHUNK_S, CHUNK_MIN))
+
+    def prefill_pending(self) -> list[Row]:
+        """One round of prefill work, to run between two steps. A cancelled row stops prefilling at once. Then the
+        queued prompts, the shortest remainder first (the oldest first among equals), get passes until the round's
+        budget is spent: :meth:`busy_budget` while rows decode, else :meth:`lone_budget` (until a row joins). A
+        round runs at least one pass, and no tail chunk under :data:`CHUNK_MIN` tokens after it. A prompt whose
+        prefill completes joins the batch, its first token picked as a single-row generation picks it.
+
+        Returns the rows that ended here: cancelled ones (``finish_reason`` ``"cancelled"``) and failed ones
+        (:attr:`Row.error` set; the batch is as it was)."""
+        ended = []
+        for row in [row for row in self.joining if row.cancelled]:
+            self._unqueue(row)
+            row.finish_reason = "cancelled"
+            ended.append(row)
+        spent = 0
+        for row in sorted(self.joining, key=lambda row: row.prompt_len - row.prefilled):
+            remaining = row.prompt_len - row.prefilled
+            budget = self.busy_budget() if self.rows else self.lone_budget()
+            n = remaining if budget is None else min(remaining, budget - spent)
+            if spent and (n <= 0 or n < min(remaining, CHUNK_MIN)):
+                break
+            try:
+                if self._prefill(row, n):
+                    self.joining.remove(row)
+            except Exception as err:  # noqa: BLE001 - the joining row's own failure: the batch goes on
+                self._unqueue(row)
+                row._fail(err)
+                ended.append(row)
+            spent += n
+        return ended
+
+    def _unqueue(self, row: Row) -> None:
+        self.joining.remove(row)
+        row.prefill_cache = None
+
+    def _prefill(self, row: Row, n: int) -> bool:
+        """Prefill the next ``n`` prompt tokens of ``row`` on its own cache; at the prompt's end, pick its first
+        token and add it to the batch (``True``)."""
+        if row.prefill_cache is None:
+            row.prefill_cache = rollback_cache(self.model) if self.single else batch_cache(self.model)
+        start = row.prefilled
+        logits = self._forward(row.prompt[:, start: start + n], 1, row.prefill_cache)  # [1, 1, vocab]
+        row.prefilled += n
+        row.prefill_seconds += self._seconds
+        if self._seconds > 0:
+            self.prefill_rate = n / self._seconds
+        if row.prefilled < row.prompt_len:
+            return False
         self._first_tokens([row], logits)
+        self._attach(row)
+        return True
+
+    def _attach(self, row: Row) -> None:
+        """Append ``row``'s prefilled cache to the batch's. Everything that can fail runs before the batch
+        changes (``append_cache_rows`` itself is all or nothing)."""
+        cache = row.prefill_cache
         new_mask = torch.ones((1, row.prompt_len), dtype=torch.bool, device=self.device)
-        self._solo = not self.rows
         if not self.rows:
             self.cache, self.kv_mask = cache, new_mask
+            self.counts = np.array([row.prompt_len], dtype=np.int64)
+            self._solo = True
         else:
-            append_cache_rows(self.cache, cache)
             width = max(self.kv_mask.shape[1], row.prompt_len)
-            self.kv_mask = torch.cat([_pad_left(self.kv_mask, width), _pad_left(new_mask, width)])
+            kv_mask = torch.cat([_pad_left(self.kv_mask, width), _pad_left(new_mask, width)])
+            counts = np.append(self.counts, row.prompt_len)
+            append_cache_rows(self.cache, cache)
+            self.kv_mask, self.counts, self._solo = kv_mask, counts, False
         self.rows.append(row)
-        self.counts = np.append(self.counts, row.prompt_len)
+        row.prefill_cache = None
+
+    # ------------------------------------------------------------------ leaving
+
+    def abandon(self) -> list[Row]:
+        """Drop every running row (after a failed pass the batch's cache is in no known state) and return them;
+        the rows being prefilled stay queued."""
+        rows = self.rows
+        self._reset()
+        return rows
+
+    def cut(self) -> list[Row]:
+        """End every row, running or being prefilled, and return them (the server is shutting down). What the
+        running rows generated joins the rolling cache, as a cancelled row's does."""
+        running, joining = self.rows, self.joining
+        for row in joining:
+            row.prefill_cache = None
+        self.joining = []
+        self._reset()
+        for row in running:
+            try:
+                row.finish_session()
+            except Exception:  # noqa: BLE001,S110 - the rolling cache misses this output; the shutdown goes on
+                pass
+        return running + joining
+
+    def _reset(self) -> None:
+        self.rows, self.cache, self.kv_mask = [], None, None
+        self.counts = np.zeros(0, dtype=np.int64)
+        self._solo = False
+
+    def _drop(self, gone: list[Row]) -> None:
+        """Remove the rows ``gone`` from the batch and its cache."""
+        if not gone:
+            return
+        keep = [i for i, row in enumerate(self.rows) if not any(row is other for other in gone)]
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self._reset()
+            return
+        self.cache.batch_select_indices(torch.tensor(keep, device=self.device))
+        self.kv_mask, self.counts = self.kv_mask[keep], self.counts[keep]
+        self.rows = [self.rows[i] for i in keep]
+
+    # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[Row]:
-        """Commit every row's last pass, drop the rows that are done (returned), and run the next pass."""
-        finished = [i for i, row in enumerate(self.rows) if row._commit()]
-        if finished:
-            done = [self.rows[i] for i in finished]
-            keep = [i for i in range(len(self.rows)) if i not in finished]
-            if not keep:
-                self.rows, self.cache, self.kv_mask = [], None, None
-                self.counts = np.zeros(0, dtype=np.int64)
-                return done
-            self.cache.batch_select_indices(torch.tensor(keep, device=self.device))
-            self.kv_mask, self.counts = self.kv_mask[keep], self.counts[keep]
-            self.rows = [self.rows[i] for i in keep]
-        else:
-            done = []
+        """Commit every row's last pass, drop the rows that are done (returned, with those that failed: their
+        :attr:`Row.error` is set), and run the next pass for the rest. Raises only for a failure of what the rows
+        share (the pass itself, the cache); the batch's state is then unknown (:meth:`abandon`)."""
+        ended = []
+        for row in self.rows:
+            try:
+                if row._commit():
+                    ended.append(row)
+            except Exception as err:  # noqa: BLE001 - this row's failure (its stop rule, callback, session)
+                row._fail(err)
+                ended.append(row)
+        self._drop(ended)
+        if not self.rows:
+            return ended
         solo = len(self.rows) == 1
         self.kv_mask = _compact(self.cache, self.kv_mask, int(self.counts.max()), force=solo and not self._solo)
         self._solo = solo
-        self._pass()
-        return done
+        return ended + self._pass()
 
-    def _pass(self) -> None:
-        rows, drafter = self.rows, self.drafter
+    def _propose(self) -> tuple:
+        """``(drafts, failed)``: the running rows' drafts, after dropping the rows whose session failed to draft
+        (``failed``). When the joint proposal raises, each session is tried alone to find whose fault it was."""
+        def limits(rows):
+            return [row.max_new_tokens - row.generated - 1 for row in rows]
+
+        try:
+            return self.drafter.propose([row.session for row in self.rows], limits(self.rows)), []
+        except Exception:
+            failed = []
+            for row, limit in zip(self.rows, limits(self.rows)):
+                try:
+                    self.drafter.propose([row.session], [limit])
+                except Exception as err:  # noqa: BLE001 - this row's session
+                    row._fail(err)
+                    failed.append(row)
+            if not failed:
+                raise
+        self._drop(failed)
+        if not self.rows:
+            return [], failed
+        return self.drafter.propose([row.session for row in self.rows], limits(self.rows)), failed
+
+    def _pass(self) -> list[Row]:
         t0 = time.perf_counter()
-        drafts = drafter.propose([row.session for row in rows],
-                                 [row.max_new_tokens - row.generated - 1 for row in rows])
+        drafts, failed = self._propose()
         self.stats.draft_seconds += time.perf_counter() - t0
+        rows, drafter = self.rows, self.drafter
+        if not rows:
+            return failed
         span = max(len(draft) for draft in drafts) + 1  # tokens fed per row
         # Built on the host ([last token, draft, filler] per row, the filler masked out), then one copy.
         if self._feed.numel() < len(rows) * span:
@@ -244,12 +501,19 @@ class BatchRun:
         else:
             positions = torch.from_numpy(self.counts[:, None] + np.arange(span)).to(self.device)
             logits = self._forward(feed, span, self.cache, torch.cat([self.kv_mask, feed_mask], dim=1), positions)
+        self.step_seconds = self._seconds if self.step_seconds is None else \
+            _STEP_SMOOTHING * self._seconds + (1 - _STEP_SMOOTHING) * self.step_seconds
         drafter.observe(len(rows), span - 1, self._seconds)
 
         accepted = np.zeros(len(rows), dtype=np.int64)
+        bad = []
         for i, (row, verdict) in enumerate(zip(rows, _verify(logits, drafts, rows))):
+            if isinstance(verdict, Exception):  # this row's verification (its pick, its processors)
+                row._fail(verdict)
+                bad.append(row)
+                continue
             row.stats.record(len(row.draft), verdict.accepted)
-            self._count_pass(row)
+            self._count_pass(row, self._seconds)
             row.step_tokens = row.draft[: verdict.accepted].tolist() + [verdict.token]
             accepted[i] = verdict.accepted
         # Keep as many of the new slots as the row that accepted most needs; the other rows' extra slots in that
@@ -259,6 +523,8 @@ class BatchRun:
         self.kv_mask = torch.cat([self.kv_mask, torch.from_numpy(np.arange(kept) <= accepted[:, None])
                                   .to(self.device)], dim=1)
         self.counts = self.counts + accepted + 1
+        self._drop(bad)
+        return failed + bad
 
     def _forward(self, ids, keep, cache, mask=None, positions=None) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -270,15 +536,21 @@ class BatchRun:
         return logits
 
     def _first_tokens(self, rows: list[Row], logits: torch.Tensor) -> None:
-        for row, verdict in zip(rows, _verify(logits, [EMPTY] * len(rows), rows)):
+        """Each row's first token, from its prefill's last logits; raises the first row's failure."""
+        verdicts = _verify(logits, [EMPTY] * len(rows), rows)
+        for verdict in verdicts:
+            if isinstance(verdict, Exception):
+                raise verdict
+        for row, verdict in zip(rows, verdicts):
             row.step_tokens = [verdict.token]
             row.draft = EMPTY
-            self._count_pass(row)
+            self._count_pass(row, row.prefill_seconds)  # a prefill in chunks counts as one pass, of all its time
 
-    def _count_pass(self, row: Row) -> None:
+    @staticmethod
+    def _count_pass(row: Row, seconds: float) -> None:
         row.stats.target_passes += 1
-        row.stats.model_seconds += self._seconds
-        row.pass_seconds = self._seconds
+        row.stats.model_seconds += seconds
+        row.pass_seconds = seconds
 
 
 def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, trace) -> LookupOutput:
@@ -303,7 +575,9 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
     job.calibrate(rows=batch)
     run.prefill(rows, input_ids, mask, lengths)
     while run.rows:
-        run.step()
+        for row in run.step():
+            if row.error is not None:  # one row's failure fails the call, as it fails a single-row generation
+                raise row.error
 
     stats = run.stats
     stats.rows = [row.stats for row in rows]
@@ -318,12 +592,19 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
 
 
 def _verify(logits: torch.Tensor, drafts, rows: list[Row]) -> list:
-    """Each row's verdict on its draft, from ``logits`` [rows, span, vocab]. When every row is plain greedy (the
-    common case), all are decided from one argmax over the whole batch and one transfer to the host."""
+    """Each row's verdict on its draft, from ``logits`` [rows, span, vocab], or the exception its verification
+    raised (that row's own failure). When every row is plain greedy (the common case), all are decided from one
+    argmax over the whole batch and one transfer to the host."""
     if all(row.plain_greedy for row in rows):
         choices = logits.argmax(dim=-1).cpu().numpy()  # [rows, span]
         return [greedy_verdict(choices[i, : len(draft) + 1], draft) for i, draft in enumerate(drafts)]
-    return [row.verdict(logits[i, : len(draft) + 1], draft) for i, (row, draft) in enumerate(zip(rows, drafts))]
+    verdicts = []
+    for i, (row, draft) in enumerate(zip(rows, drafts)):
+        try:
+            verdicts.append(row.verdict(logits[i, : len(draft) + 1], draft))
+        except Exception as err:  # noqa: BLE001 - handed to the caller, which ends this row only
+            verdicts.append(err)
+    return verdicts
 
 
 def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ and finish at different times (EOS inside drafts, budgets), the cache compaction
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from test_exactness import _plain, _prompts
@@ -318,3 +319,403 @@ def test_keyed_sampling_gives_a_seed_the_same_output_alone_batched_and_undrafted
     assert alone == plain and together == plain
     assert accepted_alone > 0 and accepted_together > 0  # drafts were verified and kept: the keys did the work
     assert len({tuple(o) for o in plain}) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server's joins: prefill in chunks, failures that stay in their row, cancels, sliding-window models
+
+
+def _long_prompt(model, seed=0, head=100, cont=80):
+    """About 280 tokens: a random head, the model's greedy continuation of it, the head again (so drafts copy)."""
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.randint(3, model.config.vocab_size, (1, head), generator=gen)
+    out = model.generate(first, attention_mask=torch.ones_like(first), max_new_tokens=cont, do_sample=False)
+    prompt = torch.cat([first, out[:, head:], first], dim=1)
+    prompt[prompt == model.generation_config.pad_token_id] = 3
+    return prompt
+
+
+def _drive(run, until=None):
+    """Turns of the server's loop (a round of prefill, then a step) until nothing runs or waits; the rows that
+    ended, in order."""
+    ended = []
+    while run.rows or run.joining:
+        ended += run.prefill_pending()
+        if run.rows:
+            ended += run.step()
+    return ended
+
+
+def _budgets(monkeypatch, lone, busy):
+    """Fixed prefill budgets (tokens; lone None: whole prompts), whatever the passes' timings."""
+    monkeypatch.setattr(batch_module.BatchRun, "lone_budget", lambda self: lone)
+    monkeypatch.setattr(batch_module.BatchRun, "busy_budget", lambda self: busy)
+
+
+def _record(run, monkeypatch):
+    """Record the run's prefill passes ("chunk", row, tokens) and decoding passes ("step",) in order."""
+    events = []
+    prefill, pass_ = run._prefill, run._pass
+
+    def chunk(row, n):
+        events.append(("chunk", row, n, len(run.rows)))
+        return prefill(row, n)
+
+    def step():
+        events.append(("step",))
+        return pass_()
+
+    monkeypatch.setattr(run, "_prefill", chunk)
+    monkeypatch.setattr(run, "_pass", step)
+    return events
+
+
+def test_a_long_prompt_prefilled_alone_in_chunks_matches_single_sequence_greedy(tiny_model, monkeypatch):
+    _budgets(monkeypatch, lone=37, busy=24)
+    prompt = _long_prompt(tiny_model)
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    events = _record(run, monkeypatch)
+    row = _row(tiny_model, drafter, prompt, 40)
+    with torch.inference_mode():
+        run.enqueue(row)
+        assert _drive(run) == [row]
+    chunks = [e[2] for e in events if e[0] == "chunk"]
+    assert chunks == [37] * (prompt.shape[1] // 37) + [prompt.shape[1] % 37]
+    assert row.tokens.tolist() == _singles(tiny_model, [prompt], 40)[0]
+    assert row.stats.target_passes == len([e for e in events if e[0] == "step"]) + 1  # the prefill counts once
+
+
+def test_a_long_prompt_prefilled_between_steps_matches_single_sequence_greedy(tiny_model, monkeypatch):
+    # Two rows decode; a long prompt and a short one arrive. The long one is prefilled a chunk per turn (the budget
+    # held small here), between the running rows' steps, and every row gives what it gives alone.
+    _budgets(monkeypatch, lone=None, busy=24)
+    prompts = _prompts(tiny_model, count=3, seed=21)
+    long = _long_prompt(tiny_model, seed=1)
+    budgets = [60, 50, 30, 40]
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    events = _record(run, monkeypatch)
+    rows = [_row(tiny_model, drafter, p, b) for p, b in zip(prompts[:2] + [long, prompts[2]], budgets)]
+    with torch.inference_mode():
+        run.join(rows[0])
+        run.join(rows[1])
+        run.step()
+        run.step()
+        run.enqueue(rows[2])
+        run.enqueue(rows[3])
+        ended = _drive(run)
+    assert sorted(map(id, ended)) == sorted(map(id, rows))
+    expected = [_singles(tiny_model, [p], b)[0] for p, b in zip(prompts[:2] + [long, prompts[2]], budgets)]
+    assert [row.tokens.tolist() for row in rows] == expected
+    chunks = [i for i, e in enumerate(events) if e[0] == "chunk" and e[1] is rows[2]]
+    busy = [i for i in chunks if events[i][3] > 0]
+    assert len(chunks) >= 2 and len(busy) >= 5  # ~280 tokens, 24 per turn while rows decode
+    for a, b in zip(chunks, chunks[1:]):  # a step between two chunks while rows decode: they kept decoding
+        assert events[b][3] == 0 or any(e[0] == "step" for e in events[a:b])
+    # No round of prefill that began while rows were decoding spent more than the budget (once none is left,
+    # the rest is prefilled in large chunks).
+    spent, busy = 0, False
+    for e in events:
+        if e[0] == "step":
+            spent = 0
+        else:
+            busy = e[3] > 0 if spent == 0 else busy
+            spent += e[2]
+            assert spent <= 24 or not busy
+    assert any(e[0] == "chunk" and e[3] == 0 and e[2] > 24 for e in events)
+
+
+def test_a_shorter_prompt_goes_first_and_a_joined_row_ends_the_lone_budget(tiny_model, monkeypatch):
+    # With nothing running, a prompt within the lone budget is prefilled in one pass. Two arriving together: the
+    # shorter is prefilled first and starts decoding; the longer is then prefilled a chunk per step.
+    _budgets(monkeypatch, lone=None, busy=24)
+    long, short = _long_prompt(tiny_model, seed=5), _prompts(tiny_model, count=1, seed=7)[0]
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    events = _record(run, monkeypatch)
+    rows = [_row(tiny_model, drafter, prompt, 30) for prompt in (long, long, short)]
+    with torch.inference_mode():
+        run.enqueue(rows[0])
+        _drive(run)
+        assert [e[1:3] for e in events if e[0] == "chunk"] == [(rows[0], long.shape[1])]
+        events.clear()
+        run.enqueue(rows[1])
+        run.enqueue(rows[2])
+        _drive(run)
+    chunks = [(e[1], e[2]) for e in events if e[0] == "chunk"]
+    assert chunks[0] == (rows[2], short.shape[1]) and events[1] == ("step",)
+    assert {n for row, n in chunks[1:-1]} == {24} and all(row is rows[1] for row, n in chunks[1:])
+    for row, prompt in zip(rows, (long, long, short)):
+        assert row.tokens.tolist() == _singles(tiny_model, [prompt], 30)[0]
+
+
+def test_prefill_budgets_follow_the_measured_rates(tiny_model, monkeypatch):
+    run = batch_module.BatchRun(tiny_model, LookupDrafter())
+    assert run.busy_budget() == batch_module._CHUNK_FIRST and run.lone_budget() == batch_module._LONE_FIRST
+    run.prefill_rate, run.step_seconds = 1000.0, 0.1  # 1,000 prompt tokens a second; a step takes 100 ms
+    assert run.busy_budget() == int(100 * batch_module.BUSY_STEP_SHARE) == 50  # half a step's worth
+    assert run.lone_budget() == int(1000 * batch_module.LONE_CHUNK_S)
+    run.step_seconds = 0.001
+    assert run.busy_budget() == batch_module.CHUNK_MIN
+    run.prefill_rate = 1e9  # an accelerator: one step's worth is more than a round may take, a lone prompt is whole
+    assert run.busy_budget() == batch_module.CHUNK_MAX and run.lone_budget() > 10 ** 6
+    monkeypatch.setattr(batch_module, "LONE_CHUNK_S", None)
+    assert run.lone_budget() is None
+
+
+def test_a_cancelled_row_stops_prefilling_at_once(tiny_model, monkeypatch):
+    _budgets(monkeypatch, lone=50, busy=24)
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    row = _row(tiny_model, drafter, _long_prompt(tiny_model), 40)
+    with torch.inference_mode():
+        run.enqueue(row)
+        assert run.prefill_pending() == []
+        assert row.prefilled == 50 and row.prefill_cache is not None
+        row.cancel()
+        assert run.prefill_pending() == [row]
+    assert row.finish_reason == "cancelled" and row.prefilled == 50 and row.prefill_cache is None
+    assert not run.rows and not run.joining
+
+
+def _state(run):
+    return (run.kv_mask.clone(), run.counts.copy(), list(run.rows), run._solo,
+            [(layer.keys.clone(), layer.values.clone()) for layer in run.cache.layers])
+
+
+def _same_state(a, b):
+    assert torch.equal(a[0], b[0]) and (a[1] == b[1]).all() and a[2] == b[2] and a[3] == b[3]
+    assert len(a[4]) == len(b[4])
+    for (k0, v0), (k1, v1) in zip(a[4], b[4]):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_a_join_that_fails_half_way_leaves_the_batch_as_it_was(tiny_model, monkeypatch):
+    prompts = _prompts(tiny_model, count=4, seed=23)
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    real = batch_module.append_cache_rows
+
+    def faulty(cache, other):  # the last layer cannot be appended: the failure comes after the first layers
+        other.layers[-1].keys = None
+        real(cache, other)
+
+    rows = [_row(tiny_model, drafter, p, 40) for p in prompts]
+    with torch.inference_mode():
+        run.join(rows[0])
+        run.join(rows[1])
+        for _ in range(3):
+            run.step()
+        before = _state(run)
+        monkeypatch.setattr(batch_module, "append_cache_rows", faulty)
+        with pytest.raises(AttributeError):
+            run.join(rows[2])
+        _same_state(_state(run), before)
+        assert rows[2].prefill_cache is None and rows[2].prefilled == 0
+        run.enqueue(rows[3])  # the server's way: the row ends with its error, the batch is as it was
+        ended = []
+        while run.joining:  # a chunk per round (no step meanwhile, to compare the state)
+            ended += run.prefill_pending()
+        assert ended == [rows[3]]
+        assert isinstance(rows[3].error, AttributeError) and rows[3].finish_reason == "error"
+        _same_state(_state(run), before)
+        assert not run.joining
+        monkeypatch.setattr(batch_module, "append_cache_rows", real)
+        while run.rows:
+            run.step()
+    for i in (0, 1):
+        assert rows[i].tokens.tolist() == _singles(tiny_model, [prompts[i]], 40)[0]
+
+
+class _Fault(Exception):
+    pass
+
+
+def _raising_from(call: int, method):
+    """``method`` that raises :class:`_Fault` from its ``call``-th call on."""
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] >= call:
+            raise _Fault(f"injected at call {calls[0]}")
+        return method(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("fault", ["processor", "pick", "offer", "commit", "on_commit", "finish", "prefill"])
+def test_a_rows_failure_ends_that_row_only(tiny_factory, fault):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from lookupdec._transformers import resolve_generation
+    from lookupdec.verify import verify_greedy
+
+    model = tiny_factory("llama")
+    prompts = _prompts(model, count=3, seed=29)
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(model, drafter)
+    rows = [_row(model, drafter, p, 40) for p in prompts]
+    bad = rows[1]
+    if fault == "processor":
+        class Faulty(LogitsProcessor):  # changes nothing, then raises from its third call on
+            calls = 0
+
+            def __call__(self, input_ids, scores):
+                self.calls += 1
+                if self.calls >= 3:
+                    raise _Fault("injected")
+                return scores
+
+        resolved = resolve_generation(model, prompts[1], max_new_tokens=40, generation_config=None,
+                                      logits_processor=LogitsProcessorList([Faulty()]), stopping_criteria=None)
+        bad = rows[1] = batch_module.Row(prompts[1], resolved, drafter.start(prompts[1][0].numpy()), 40,
+                                         lambda logits, draft, process, position: verify_greedy(logits, draft,
+                                                                                               process))
+    elif fault == "pick":
+        bad.pick, bad.plain_greedy = _raising_from(3, bad.pick), False
+    elif fault in ("offer", "commit", "finish"):
+        setattr(bad.session, fault, _raising_from(3 if fault != "finish" else 1, getattr(bad.session, fault)))
+    elif fault == "on_commit":
+        bad.on_commit = _raising_from(3, lambda tokens, done: None)
+    ended = []
+    with torch.inference_mode():
+        for row in rows:
+            if fault == "prefill" and row is bad:
+                row.prompt = row.prompt.clone()
+                row.prompt[0, -1] = 10 ** 6  # no such token: the prefill's embedding lookup fails
+                run.enqueue(row)
+                ended += run.prefill_pending()
+            else:
+                run.join(row)
+        while run.rows:
+            ended += run.step()
+            assert all(row.error is None for row in run.rows)
+    assert sorted(map(id, ended)) == sorted(map(id, rows))
+    assert bad.finish_reason == "error" and bad.error is not None
+    if fault != "prefill":
+        assert isinstance(bad.error, _Fault)
+    for i in (0, 2):
+        assert rows[i].error is None
+        assert rows[i].tokens.tolist() == _singles(model, [prompts[i]], 40)[0]
+
+
+def test_a_failed_row_fails_generate(tiny_model, monkeypatch):
+    # lookupdec.generate's batches: one row's failure is the call's, as in a single-row generation.
+    prompts = _prompts(tiny_model, count=2, seed=31)
+    ids, mask = _left_pad(prompts, 2)
+    from lookupdec import drafter as drafter_module
+
+    monkeypatch.setattr(drafter_module.DraftSession, "commit", _raising_from(3, drafter_module.DraftSession.commit))
+    with pytest.raises(_Fault):
+        lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=20)
+
+
+class _Recording:
+    """A session that drafts ``answer`` (tokens past EOS included, which no real session drafts) and records what
+    the loop tells it."""
+
+    prediction_accepted = prediction_rejected = 0
+
+    def __init__(self, answer):
+        from lookupdec.policy import Offer
+
+        self.Offer, self.answer, self.done = Offer, answer, 0
+        self.offered = batch_module.EMPTY
+        self.commits, self.finished = [], []
+
+    def offer(self, limit):
+        self.offered = np.asarray(self.answer[self.done: self.done + max(limit, 0)], dtype=np.int32)
+        return self.Offer(self.offered, 1.0, 1.0)
+
+    def take(self, length):
+        return self.offered[:length]
+
+    def commit(self, tokens, seconds=None):
+        self.commits.append([int(t) for t in tokens])
+        self.done += len(tokens)
+
+    def finish(self, *generated):
+        self.finished.append(generated)
+
+
+
+def test_a_session_never_sees_tokens_after_eos(tiny_factory):
+    # The draft runs past an EOS and is accepted whole: the pass yields tokens after the EOS, which end the row
+    # there; the session is handed the tokens up to the EOS only.
+    model = tiny_factory("llama")
+    prompt = _prompts(model, count=1, seed=13)[0]
+    answer = _singles(model, [prompt], 30)[0]
+    config = model.generation_config
+    old = config.eos_token_id
+    stop = next(i for i in range(8, len(answer)) if answer[i] not in answer[:i])  # its first occurrence
+    config.eos_token_id = answer[stop]
+    try:
+        expected = _singles(model, [prompt], 30)[0]
+        drafter = LookupDrafter(adaptive=False)
+        run = batch_module.BatchRun(model, drafter)
+        row = _row(model, drafter, prompt, 30)
+    finally:
+        config.eos_token_id = old
+    row.session = _Recording(answer)
+    with torch.inference_mode():
+        run.join(row)
+        while run.rows:
+            run.step()
+    assert row.tokens.tolist() == expected == answer[: stop + 1]
+    assert sum(row.session.commits, []) == expected
+    assert len(row.session.commits) < len(expected)  # drafts were accepted: the EOS came inside a pass
+    assert row.session.finished == [()]  # done by itself: everything it committed joins the rolling cache
+
+
+def test_cancel_keep_limits_what_joins_the_rolling_cache(tiny_model):
+    prompts = _prompts(tiny_model, count=2, seed=41)
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    rows = [_row(tiny_model, drafter, p, 40) for p in prompts]
+    finished = []
+    for row in rows:
+        real = row.session.finish
+        row.session.finish = lambda *args, real=real: (finished.append(args), real(*args))
+    with torch.inference_mode():
+        for row in rows:
+            run.join(row)
+        for _ in range(4):
+            run.step()
+        generated = rows[0].generated
+        assert generated > 3
+        rows[0].cancel(keep=3)
+        rows[0].cancel()  # a later cancel without keep (the web layer's cleanup) does not widen it
+        rows[0].cancel(keep=5)
+        assert rows[0] in run.step()
+        while run.rows:
+            run.step()
+    assert rows[0].finish_reason == "cancelled" and rows[0].keep == 3 and rows[0].generated == generated
+    assert finished == [(3,), ()]
+    assert rows[1].tokens.tolist() == _singles(tiny_model, [prompts[1]], 40)[0]
+
+
+def test_a_sliding_window_model_runs_one_row_at_a_time_exactly():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, bos_token_id=0,
+                           eos_token_id=1, pad_token_id=2)
+    model = MistralForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 2
+    prompts = _prompts(model, count=2, seed=43)  # longer than the window
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(model, drafter)
+    assert run.single
+    rows = [_row(model, drafter, p, 40) for p in prompts]
+    with torch.inference_mode():
+        for row in rows:
+            run.enqueue(row)
+            with pytest.raises(RuntimeError, match="one row at a time"):
+                run.join(_row(model, drafter, prompts[0], 4))
+            assert _drive(run) == [row]
+    for row, prompt in zip(rows, prompts):
+        assert row.tokens.tolist() == _singles(model, [prompt], 40)[0]
+    assert sum(row.stats.accepted_tokens for row in rows) > 0

@@ -5,14 +5,29 @@ A request's output is what it would be alone: greedy rows are token-identical to
 sampled row draws its token at output position ``t`` at a uniform fixed by ``(seed, t)``
 (:func:`lookupdec.verify.verify_keyed`), so a seed gives one output whatever else runs.
 
+Each turn of the engine's loop takes waiting requests into the batch's prefill queue, runs one round of prefill
+work (a long prompt is prefilled in chunks, about one decoding step's worth per turn, so it delays the running
+requests by about a step per step: :meth:`~lookupdec.batch.BatchRun.prefill_pending`), then one decoding step.
+A failure that belongs to one request (its prefill, its verification, its drafting, its callback) ends that
+request with a 500 and the others go on; only a failed forward pass of the whole batch ends every running request.
+
 The web layer talks to a request through its :class:`Ticket`: the engine thread puts events on the ticket's
-asyncio queue (thread-safely), and the web layer sets ``cancelled`` (a stop string was reached, or the client left).
+asyncio queue (thread-safely), and the web layer calls :meth:`Ticket.cancel` (a stop string was reached, or the
+client left; and always once it is done with the request). Only the tokens the client was given join the rolling
+cache: ``cancel(keep=n)`` limits them to the first ``n``, and for a request with stop strings whose row ended by
+itself, the session waits for the web layer's first ``cancel`` after the end, since a stop string in the last
+tokens is found after the row has ended. At shutdown (:meth:`Engine.stop`) what is still running after the drain
+time is answered with a 503 ``server_shutting_down`` error, never with an answer that looks finished.
+
+Models with sliding-window attention layers (Gemma 3) are served one request at a time: a batch's cache has masked
+holes, which a window that counts slots cannot skip.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import secrets
 import threading
@@ -36,6 +51,7 @@ _log = logging.getLogger(__name__)
 # about 10 ms on the 2-core benchmark machine (1% of a second); every 16 finished requests instead (20-30 s apart
 # under load) left 250-500 MiB of freed memory resident between trims, and more as the heap fragmented.
 _TRIM_PERIOD_S = 1.0
+_JOIN_TIMEOUT_S = 10.0  # how long stop() waits for the engine thread once it has been told to cut
 
 
 class QueueFull(Exception):
@@ -43,9 +59,9 @@ class QueueFull(Exception):
 
 
 def _trim_heap() -> None:
-    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``). Every decoding step reallocates
-    each layer's keys and values one step longer (the cache grows by concatenation), in the engine thread's glibc
-    arena: freed blocks of ever-different sizes fragment it, so glibc keeps more and more free memory there (its free
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``). Caches that grew by concatenation
+    (every decoding step reallocated each layer one step longer) and prefill caches of ever-different sizes, all
+    freed in the engine thread's glibc arena, fragment it, so glibc keeps more and more free memory there (its free
     space grew from 240 to 490 MiB over a 10-minute soak while the memory in use stayed at 320 MiB), and without
     trims the server's resident size crept up. Elsewhere (no glibc) nothing to do."""
     try:
@@ -54,9 +70,20 @@ def _trim_heap() -> None:
         pass
 
 
+def shutdown_error() -> APIError:
+    """What a request still running when the server stops is answered with."""
+    return APIError(503, "the server shut down before this request finished", type="server_error",
+                    code="server_shutting_down")
+
+
+def _failure(err: BaseException) -> APIError:
+    return APIError(500, f"generation failed: {type(err).__name__}", type="server_error", code="internal_error")
+
+
 class Ticket:
     """One request on its way through the engine. Events on :attr:`events`: ``("tokens", [ids])`` as they are
-    committed, then ``("done", summary)`` or ``("error", APIError)``."""
+    committed, then ``("done", summary)`` (``summary["finish_reason"]``: ``"stop"``, ``"length"``, or
+    ``"cancelled"`` after :meth:`cancel`) or ``("error", APIError)``."""
 
     def __init__(self, req: Request, prompt_ids: list, prediction_ids: list | None, max_tokens: int,
                  loop: asyncio.AbstractEventLoop):
@@ -68,15 +95,37 @@ class Ticket:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.keep: int | None = None
         self.row: Row | None = None
         self.submitted = time.perf_counter()
+        self._lock = threading.Lock()
+        self._settle = None  # finishes the session of a row that ended by itself, on the next cancel
 
-    def cancel(self) -> None:
-        """End this request at the engine's next step (its row leaves the batch); safe from any thread."""
+    def cancel(self, keep: int | None = None) -> None:
+        """End this request at the engine's next step (its row leaves the batch); safe from any thread. After
+        the end it ends nothing, but still says how much of the output the client got: ``keep``, only the first
+        ``keep`` generated tokens (a stop string ended the answer), so only they join the rolling cache; several
+        calls keep the smallest."""
+        # Order matters (see Engine._admit and _hold): keep, then the flag, then the row is read.
+        if keep is not None:
+            self.keep = keep if self.keep is None else min(self.keep, keep)
         self.cancelled = True
         row = self.row
         if row is not None:
-            row.cancelled = True
+            row.cancel(self.keep)
+        with self._lock:
+            settle, self._settle = self._settle, None
+        if settle is not None:
+            settle()
+
+    def _hold(self, settle) -> None:
+        """The row ended by itself: ``settle()`` finishes its session, at the next :meth:`cancel` (now, if one came
+        already)."""
+        with self._lock:
+            if not self.cancelled:
+                self._settle = settle
+                return
+        settle()
 
     def _emit(self, *event) -> None:
         try:
@@ -92,6 +141,12 @@ class Engine:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.run = BatchRun(model, drafter)
+        if self.run.single and max_batch > 1:
+            _log.warning("%s has sliding-window attention layers, which a batch's cache cannot hold (a window "
+                         "counts cache slots, and a batch leaves masked holes between a row's slots): serving one "
+                         "request at a time (max_batch 1 instead of %d)", type(model).__name__, max_batch)
+            max_batch = 1
         self.max_batch, self.max_queue = max_batch, max_queue
         text = model.config.get_text_config()
         self.context = int(getattr(text, "max_position_embeddings", None) or 1 << 20)
@@ -100,8 +155,8 @@ class Engine:
         self._accepting = False
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._joining = 0  # tickets taken from the queue and being prefilled
-        self.run = BatchRun(model, drafter)
+        self._admitting = 0  # tickets taken from the queue and not yet in the batch's prefill queue
+        self._finishing: deque[tuple[Row, Ticket]] = deque()  # sessions to finish, on the engine's thread
         self.completed = 0
         self._trimmed = time.monotonic()  # when _trim_heap last ran
 
@@ -127,30 +182,35 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop accepting; let the running and waiting requests finish for up to ``timeout`` seconds, then cancel
-        what is left."""
+        """Stop accepting; let the running and waiting requests finish for up to ``timeout`` seconds, then cut
+        what is left: each such request gets a 503 ``server_shutting_down`` error (a request its client cancelled
+        still ends as cancelled). Safe to call more than once."""
         with self._cond:
             self._accepting = False
             self._cond.notify_all()
+        thread = self._thread
         deadline = time.monotonic() + timeout
-        while self.busy and time.monotonic() < deadline:
+        while self.busy and thread is not None and thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         with self._cond:
             self._stop = True
-            for ticket in list(self._waiting) + [row.owner for row in self.run.rows]:
-                ticket.cancel()
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if thread is not None and thread.is_alive():
+            thread.join(timeout=_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                _log.warning("the engine thread did not stop within %.0f s (a long pass?); its requests are "
+                             "answered when it does", _JOIN_TIMEOUT_S)
+                return
+        self._cut()  # no engine thread (never started, or gone): nothing else touches the batch now
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or bool(self._joining) or bool(self.run.rows)
+        return bool(self._waiting) or bool(self._admitting) or bool(self.run.rows) or bool(self.run.joining)
 
     @property
     def load(self) -> tuple:
-        """(running rows, waiting requests)."""
-        return len(self.run.rows), len(self._waiting)
+        """(running rows, counting those being prefilled; waiting requests)."""
+        return len(self.run.rows) + len(self.run.joining), len(self._waiting)
 
     # ------------------------------------------------------------------ requests
 
@@ -160,7 +220,8 @@ class Engine:
         with self._cond:
             if not self._accepting:
                 raise RuntimeError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self.run.rows)):
+            room = max(0, self.max_batch - len(self.run.rows) - len(self.run.joining))
+            if len(self._waiting) >= self.max_queue + room:
                 raise QueueFull
             self._waiting.append(ticket)
             self._cond.notify()
@@ -169,69 +230,152 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._waiting and not self.run.rows and not self._stop:
+                    while not (self._waiting or self.run.rows or self.run.joining or self._finishing or self._stop):
                         self._cond.wait()
-                    if self._stop and not self.run.rows and not self._waiting:
+                    if self._stop:
+                        self._cut()
                         return
-                    joining = []
-                    while self._waiting and len(self.run.rows) + len(joining) < self.max_batch:
-                        joining.append(self._waiting.popleft())
-                    self._joining = len(joining)
-                for ticket in joining:
-                    self._join(ticket)
-                self._joining = 0
-                if self.run.rows:
-                    self._step()
-                    # Often enough that little freed memory stays resident, and once more as the batch empties so
-                    # that an idle server holds no more than it needs.
-                    if not self.run.rows or time.monotonic() - self._trimmed >= _TRIM_PERIOD_S:
-                        _trim_heap()
-                        self._trimmed = time.monotonic()
+                    finishing = list(self._finishing)
+                    self._finishing.clear()
+                    admitted = []
+                    while self._waiting and \
+                            len(self.run.rows) + len(self.run.joining) + len(admitted) < self.max_batch:
+                        admitted.append(self._waiting.popleft())
+                    self._admitting = len(admitted)
+                for row, ticket in finishing:
+                    self._finish(row, ticket)
+                try:
+                    self._turn(admitted)
+                except Exception as err:  # noqa: BLE001 - a fault outside any one request: end them, keep serving
+                    _log.error("the engine's loop failed; ending the requests in the batch")
+                    self._admitting = 0
+                    rows = self.run.abandon() + self.run.cut()
+                    for row in rows:
+                        row._fail(err)
+                    self._report(rows)
 
-    def _join(self, ticket: Ticket) -> None:
+    def _turn(self, admitted: list[Ticket]) -> None:
+        """One turn: the admitted tickets queue for prefill, one round of prefill, one decoding step."""
+        for ticket in admitted:
+            self._admit(ticket)
+            self._admitting -= 1
+        ended = self.run.prefill_pending()
+        if self.run.rows:
+            ended += self._step()
+        self._report(ended)
+        # Often enough that little freed memory stays resident, and once more as the batch empties so that an idle
+        # server holds no more than it needs.
+        if ended and not self.run.rows or time.monotonic() - self._trimmed >= _TRIM_PERIOD_S:
+            _trim_heap()
+            self._trimmed = time.monotonic()
+
+    def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled:
-            ticket._emit("done", {"finish_reason": "cancelled"})
+            ticket._emit("done", {"finish_reason": "cancelled", "completion_tokens": 0})
             return
         try:
             row = self._row(ticket)
+            # The row is published first and the ticket's flag read after: a cancel that came before this
+            # assignment set the flag (read here), one that comes after finds the row (Ticket.cancel).
             ticket.row = row
-            self.run.join(row)
+            if ticket.cancelled:
+                row.cancel(ticket.keep)
+            self.run.enqueue(row)
         except Exception as err:  # noqa: BLE001 - this request fails, the others go on
             _log.exception("request failed to start")
             ticket.row = None
             ticket._emit("error", APIError(500, f"the request could not be started: {type(err).__name__}",
                                            type="server_error", code="internal_error"))
 
-    def _step(self) -> None:
+    def _step(self) -> list[Row]:
         try:
-            finished = self.run.step()
+            return self.run.step()
         except Exception as err:  # noqa: BLE001 - a fault in the batch: fail its requests, keep serving
-            _log.exception("a decoding step failed; ending the requests in the batch")
-            rows, self.run = self.run.rows, BatchRun(self.model, self.drafter)
+            _log.error("a decoding step failed; ending the requests in the batch")
+            rows = self.run.abandon()
             for row in rows:
-                row.owner._emit("error", APIError(500, f"generation failed: {type(err).__name__}",
-                                                  type="server_error", code="internal_error"))
-            return
-        for row in finished:
+                row._fail(err)
+            return rows
+
+    def _report(self, rows: list[Row]) -> None:
+        """Tell the owners of the rows that ended how they did."""
+        logged = set()
+        for row in rows:
+            ticket = row.owner
+            if row.error is not None:
+                if id(row.error) not in logged:  # a failed batch pass ends every row with one error: logged once
+                    logged.add(id(row.error))
+                    _log.error("a request failed: %s", type(row.error).__name__, exc_info=row.error)
+                ticket._emit("error", _failure(row.error))
+                continue
             self.completed += 1
-            session = row.session
-            row.owner._emit("done", {
-                "finish_reason": row.finish_reason,
-                "completion_tokens": row.generated,
-                "accepted_prediction_tokens": getattr(session, "prediction_accepted", 0),
-                "rejected_prediction_tokens": getattr(session, "prediction_rejected", 0),
-                "passes": row.stats.target_passes,
-                "drafted_tokens": row.stats.drafted_tokens,
-                "accepted_tokens": row.stats.accepted_tokens,
-            })
+            if row.held:
+                ticket._hold(functools.partial(self._finish_later, row, ticket))
+            ticket._emit("done", self._summary(row))
+
+    def _finish_later(self, row: Row, ticket: Ticket) -> None:
+        """Finish ``row``'s session on the engine's thread (which owns the drafter's writes), or here once the
+        engine has stopped."""
+        with self._cond:
+            thread = self._thread
+            if not self._stop and thread is not None and thread.is_alive():
+                self._finishing.append((row, ticket))
+                self._cond.notify()
+                return
+        self._finish(row, ticket)
+
+    @staticmethod
+    def _finish(row: Row, ticket: Ticket) -> None:
+        try:
+            row.keep_at_most(ticket.keep)
+            row.finish_session()
+        except Exception:  # noqa: BLE001 - the rolling cache misses this output; serving goes on
+            _log.exception("could not add a finished request to the rolling cache")
+
+    @staticmethod
+    def _summary(row: Row) -> dict:
+        session = row.session
+        return {
+            "finish_reason": row.finish_reason,
+            "completion_tokens": row.generated,
+            "accepted_prediction_tokens": getattr(session, "prediction_accepted", 0),
+            "rejected_prediction_tokens": getattr(session, "prediction_rejected", 0),
+            "passes": row.stats.target_passes,
+            "drafted_tokens": row.stats.drafted_tokens,
+            "accepted_tokens": row.stats.accepted_tokens,
+        }
+
+    def _cut(self) -> None:
+        """End everything still waiting, being prefilled or running: a 503 each (the server is shutting down),
+        or ``"cancelled"`` for a request its client had cancelled already."""
+        with self._cond:
+            tickets = list(self._waiting)
+            self._waiting.clear()
+            finishing = list(self._finishing)
+            self._finishing.clear()
+        for row, ticket in finishing:
+            self._finish(row, ticket)
+        rows = self.run.cut()
+        for ticket in tickets + [row.owner for row in rows]:
+            if ticket is None:
+                continue
+            if ticket.cancelled:
+                row = ticket.row
+                summary = {"finish_reason": "cancelled", "completion_tokens": 0} if row is None else \
+                    {**self._summary(row), "finish_reason": "cancelled"}
+                ticket._emit("done", summary)
+            else:
+                ticket._emit("error", shutdown_error())
 
     def _row(self, ticket: Ticket) -> Row:
         req = ticket.req
         prompt = torch.tensor([ticket.prompt_ids], dtype=torch.long, device=self.run.device)
         overrides = {"do_sample": False} if req.greedy else \
             {"do_sample": True, "temperature": req.temperature, "top_p": req.top_p, "top_k": 0}
+        # stable_temperature: the API takes any temperature in (0, 2]; transformers' warper overflows near 0.
         resolved = resolve_generation(self.model, prompt, max_new_tokens=ticket.max_tokens, generation_config=None,
-                                      logits_processor=None, stopping_criteria=None, **overrides)
+                                      logits_processor=None, stopping_criteria=None, stable_temperature=True,
+                                      **overrides)
         if req.lookup:
             session = self.drafter.start(np.asarray(ticket.prompt_ids, dtype=np.int32), eos_ids=resolved.eos_ids,
                                          prediction=ticket.prediction_ids)
@@ -251,5 +395,7 @@ class Engine:
                 ticket._emit("tokens", list(tokens))
 
         row = Row(prompt, resolved, session, ticket.max_tokens, pick, on_commit=on_commit, owner=ticket)
-        row.cancelled = ticket.cancelled
+        # With stop strings, the web layer may find one in tokens the row committed as it ended: its session waits
+        # for the web layer's verdict (Ticket.cancel), so that no token after a stop string joins the rolling cache.
+        row.hold_session = bool(req.stop)
         return row

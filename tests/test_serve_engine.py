@@ -1,0 +1,460 @@
+"""The server's engine without HTTP: an :class:`~lookupdec.serve.engine.Engine` on a tiny model (or SmolLM2, or
+Gemma 3), tickets submitted from an asyncio loop, their events read.
+
+Long prompts prefilled in chunks between the running requests' steps give plain greedy answers; a request's own
+failure is its alone (an OpenAI-shaped 500) and its neighbours' answers do not change, while a failed batch pass
+fails the running requests and the engine goes on; a cancel is never lost, whenever it lands; a shutdown answers
+what it cuts with a 503; sliding-window models are served one request at a time; a tiny temperature is greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+from test_batch import _long_prompt, _raising_from
+from test_exactness import _plain, _prompts
+
+from lookupdec import batch as batch_module
+from lookupdec.drafter import Drafter, DrafterConfig
+from lookupdec.serve.engine import Engine, Ticket
+from lookupdec.serve.protocol import APIError, Request
+
+
+def _req(**kw) -> Request:
+    kw.setdefault("temperature", 0.0)
+    return Request(kind="completion", model="test", prompt="(token ids given)", **kw)
+
+
+def _ids(prompt) -> list:
+    return prompt[0].tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+
+
+async def _outcome(ticket: Ticket) -> tuple:
+    """``(tokens, "done" or "error", summary or APIError)``: what the ticket's events said, in full."""
+    tokens = []
+    while True:
+        kind, payload = await ticket.events.get()
+        if kind == "tokens":
+            tokens += payload
+        else:
+            return tokens, kind, payload
+
+
+def _ask(engine: Engine, jobs: list, *, ticket_class=Ticket, between=None, timeout: float = 300) -> list:
+    """Submit one ticket per job ``(prompt, max_tokens, request fields)``, in order; ``between(i, tickets)`` (a
+    coroutine) runs before ticket ``i`` is submitted. Returns each ticket's :func:`_outcome`."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        tickets = [ticket_class(_req(**fields), _ids(prompt), None, budget, loop) for prompt, budget, fields in jobs]
+        outcomes = []
+        for i, ticket in enumerate(tickets):
+            if between is not None:
+                await between(i, tickets)
+            engine.submit(ticket)
+            outcomes.append(asyncio.ensure_future(_outcome(ticket)))
+        return await asyncio.wait_for(asyncio.gather(*outcomes), timeout)
+
+    return asyncio.run(main())
+
+
+@contextmanager
+def _engine(model, tokenizer=None, **kw):
+    engine = Engine(model, tokenizer, Drafter(DrafterConfig(calibrate=False)), **kw)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop(timeout=5)
+
+
+def _greedy(model, prompt, budget) -> list:
+    prompt = torch.tensor([_ids(prompt)])
+    return _plain(model, prompt, max_new_tokens=budget)[0, prompt.shape[1]:].tolist()
+
+
+def _chunks(monkeypatch) -> list:
+    """Record every prefill pass as (prompt length, tokens, rows running)."""
+    seen = []
+    real = batch_module.BatchRun._prefill
+
+    def spy(self, row, n):
+        seen.append((row.prompt_len, n, len(self.rows)))
+        return real(self, row, n)
+
+    monkeypatch.setattr(batch_module.BatchRun, "_prefill", spy)
+    return seen
+
+
+def _small_chunks(monkeypatch, lone: int, busy: int) -> None:
+    """Fixed prefill budgets, whatever the passes' timings."""
+    monkeypatch.setattr(batch_module.BatchRun, "lone_budget", lambda self: lone)
+    monkeypatch.setattr(batch_module.BatchRun, "busy_budget", lambda self: busy)
+
+
+async def _first_tokens(ticket: Ticket) -> None:
+    """Wait until ``ticket``'s row has committed tokens."""
+    while ticket.row is None or ticket.row.generated == 0:
+        await asyncio.sleep(0.002)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chunked prefill
+
+
+def test_a_long_prompt_in_chunks_alone_and_beside_running_requests_is_plain_greedy(tiny_model, monkeypatch):
+    _small_chunks(monkeypatch, lone=40, busy=24)
+    chunks = _chunks(monkeypatch)
+    short = _prompts(tiny_model, count=2, seed=51)
+    long = _long_prompt(tiny_model, seed=2)
+    jobs = [(short[0], 80, {}), (short[1], 80, {}), (long, 40, {})]
+
+    async def after_the_short_ones_decode(i, tickets):
+        if i == 2:
+            await _first_tokens(tickets[0])
+            await _first_tokens(tickets[1])
+
+    with _engine(tiny_model) as engine:
+        alone = _ask(engine, [(long, 40, {})])
+        together = _ask(engine, jobs, between=after_the_short_ones_decode)
+    expected = _greedy(tiny_model, long, 40)
+    assert alone == [(expected, "done", alone[0][2])] and alone[0][2]["finish_reason"] in ("stop", "length")
+    for (tokens, kind, summary), (prompt, budget, _) in zip(together, jobs):
+        assert kind == "done" and tokens == _greedy(tiny_model, prompt, budget)
+        assert summary["completion_tokens"] == len(tokens)
+    n = long.shape[1]
+    alone_chunks = -(-n // 40)
+    assert [c[1] for c in chunks if c[0] == n][: alone_chunks] == [40] * (n // 40) + [n % 40] * (n % 40 > 0)
+    beside = [c for c in chunks if c[0] == n][alone_chunks:]
+    assert len(beside) >= 5 and any(rows > 0 and tokens == 24 for _, tokens, rows in beside)
+
+
+@pytest.mark.slow
+def test_smollm2_long_prompt_in_chunks_is_plain_greedy(smollm2, monkeypatch):
+    model, tokenizer = smollm2
+    _small_chunks(monkeypatch, lone=300, busy=96)
+    chunks = _chunks(monkeypatch)
+    lines = "\n".join(f"  - name: service-{i}\n    port: {8000 + i}\n    replicas: {i % 5 + 1}" for i in range(50))
+    long = tokenizer.encode(f"services:\n{lines}\n\nThe same list, with every port increased by one:\nservices:\n")
+    assert len(long) > 1000
+    short = [tokenizer.encode(text) for text in ("One, two, three, four,", "The capital of France is")]
+    jobs = [(short[0], 64, {}), (short[1], 64, {}), (long, 32, {})]
+
+    async def after_the_short_ones_decode(i, tickets):
+        if i == 2:
+            await _first_tokens(tickets[0])
+
+    with _engine(model, tokenizer) as engine:
+        alone = _ask(engine, [(long, 32, {})])
+        together = _ask(engine, jobs, between=after_the_short_ones_decode)
+    expected = _greedy(model, long, 32)
+    assert alone[0][:2] == (expected, "done")
+    for (tokens, kind, _), (prompt, budget, _) in zip(together, jobs):
+        assert kind == "done" and tokens == _greedy(model, prompt, budget)
+    beside = [c for c in chunks if c[0] == len(long)][-(-len(long) // 300):]
+    assert any(rows > 0 for _, _, rows in beside)  # the long prompt was prefilled while others decoded
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Failures
+
+
+def _is_500(payload) -> bool:
+    return isinstance(payload, APIError) and payload.status == 500 and \
+        payload.body()["error"]["type"] == "server_error" and payload.code == "internal_error"
+
+
+def test_a_requests_failure_is_its_own_and_the_others_answers_do_not_change(tiny_factory, monkeypatch):
+    model = tiny_factory("llama")
+    prompts = _prompts(model, count=3, seed=53)
+    real_row = Engine._row
+
+    def faulty_row(self, ticket):  # the second request's session fails at its third commit
+        row = real_row(self, ticket)
+        if ticket.prompt_ids == _ids(prompts[1]):
+            row.session.commit = _raising_from(3, row.session.commit)
+        return row
+
+    monkeypatch.setattr(Engine, "_row", faulty_row)
+    with _engine(model) as engine:
+        outcomes = _ask(engine, [(p, 40, {}) for p in prompts])
+        assert engine.busy is False
+    for i in (0, 2):
+        assert outcomes[i][:2] == (_greedy(model, prompts[i], 40), "done")
+    tokens, kind, error = outcomes[1]
+    assert kind == "error" and _is_500(error) and len(tokens) >= 2
+
+
+def test_a_failed_batch_pass_fails_the_running_requests_and_the_engine_goes_on(tiny_factory, monkeypatch):
+    model = tiny_factory("llama")
+    prompts = _prompts(model, count=3, seed=57)
+    real = batch_module.target_forward
+    failed = []
+
+    def forward(model, ids, *args, **kwargs):
+        if ids.shape[0] > 1 and not failed:  # the first pass of two rows together
+            failed.append(True)
+            raise RuntimeError("injected")
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "target_forward", forward)
+    with _engine(model) as engine:
+        first = _ask(engine, [(prompts[0], 60, {}), (prompts[1], 60, {})])
+        after = _ask(engine, [(prompts[2], 40, {}), (prompts[0], 40, {})])
+    assert failed and [kind for _, kind, _ in first] == ["error", "error"] and all(_is_500(e) for *_, e in first)
+    for (tokens, kind, _), prompt in zip(after, (prompts[2], prompts[0])):
+        assert kind == "done" and tokens == _greedy(model, prompt, 40)
+
+
+def test_a_request_that_cannot_start_fails_alone(tiny_model):
+    prompts = _prompts(tiny_model, count=2, seed=59)
+    with _engine(tiny_model) as engine:
+        outcomes = _ask(engine, [(prompts[0], 30, {}), ([10 ** 6] * 5, 30, {}), (prompts[1], 30, {})])
+    assert outcomes[1][1] == "error" and _is_500(outcomes[1][2])
+    for i, prompt in ((0, prompts[0]), (2, prompts[1])):
+        assert outcomes[i][:2] == (_greedy(tiny_model, prompt, 30), "done")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cancels
+
+
+class _CancelledOnTheWay(Ticket):
+    """A ticket its client cancels (keeping ``keep`` tokens) just before the engine hands it its row: the cancel
+    reads ``row`` while it is still None, so only the ticket's flag can tell the engine."""
+
+    keep_on_cancel = None
+
+    @property
+    def row(self):
+        return self.__dict__.get("_row")
+
+    @row.setter
+    def row(self, value):
+        if value is not None:
+            self.cancel(keep=self.keep_on_cancel)
+        self.__dict__["_row"] = value
+
+
+def test_a_cancel_landing_while_the_row_is_made_is_not_lost(tiny_model, monkeypatch):
+    prompt = _prompts(tiny_model, count=1, seed=61)[0]
+    rows = []
+    real_row = Engine._row
+
+    def spy(self, ticket):
+        rows.append(real_row(self, ticket))
+        return rows[-1]
+
+    monkeypatch.setattr(Engine, "_row", spy)
+    class Keep(_CancelledOnTheWay):
+        keep_on_cancel = 0
+
+    with _engine(tiny_model) as engine:
+        (tokens, kind, summary), = _ask(engine, [(prompt, 200, {})], ticket_class=_CancelledOnTheWay)
+        assert (tokens, kind, summary["finish_reason"], summary["completion_tokens"]) == ([], "done", "cancelled", 0)
+        assert rows[-1].cancelled and rows[-1].keep is None
+        (tokens, kind, summary), = _ask(engine, [(prompt, 200, {})], ticket_class=Keep)
+        assert kind == "done" and summary["finish_reason"] == "cancelled" and rows[-1].keep == 0
+
+        # A cancel while the row is being made (its drafting session started) is caught the same way.
+        real_start = engine.drafter.start
+        tickets = []
+
+        def start(*args, **kwargs):
+            tickets[-1].cancel()
+            return real_start(*args, **kwargs)
+
+        class Remembered(Ticket):
+            def __init__(self, *args):
+                super().__init__(*args)
+                tickets.append(self)
+
+        monkeypatch.setattr(engine.drafter, "start", start)
+        (tokens, kind, summary), = _ask(engine, [(prompt, 200, {})], ticket_class=Remembered)
+        assert (tokens, kind, summary["finish_reason"]) == ([], "done", "cancelled")
+
+
+def test_ticket_cancel_keep_reaches_the_running_row(tiny_model):
+    prompt = _prompts(tiny_model, count=1, seed=63)[0]
+
+    async def main(engine):
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(_req(), _ids(prompt), None, 400, loop)
+        engine.submit(ticket)
+        await _first_tokens(ticket)
+        ticket.cancel(keep=1)
+        ticket.cancel()  # the web layer's cleanup: does not widen what was kept
+        outcome = await _outcome(ticket)
+        return ticket, outcome
+
+    with _engine(tiny_model) as engine:
+        ticket, (tokens, kind, summary) = asyncio.run(main(engine))
+    assert ticket.keep == 1 and ticket.row.keep == 1
+    assert kind == "done" and (summary["finish_reason"] == "cancelled" or summary["completion_tokens"] == 400)
+
+
+def test_a_stop_string_found_after_the_row_ended_still_limits_what_the_rolling_cache_learns(tiny_model):
+    # The web layer finds stop strings in the text, after the tokens were committed: the row may have ended by
+    # itself by then. Its session waits for the web layer's cancel, whose keep it honours. Without stop strings
+    # nothing can be cut, and the session finishes as the row ends.
+    prompts = _prompts(tiny_model, count=2, seed=65)
+
+    async def main(engine):
+        cache = engine.drafter.cache
+        loop = asyncio.get_running_loop()
+        before = cache.num_sequences
+        plain = Ticket(_req(), _ids(prompts[0]), None, 20, loop)
+        engine.submit(plain)
+        assert (await _outcome(plain))[1] == "done"
+        while cache.num_sequences == before:
+            await asyncio.sleep(0.002)
+        plain.cancel()  # the web layer's cleanup: nothing more happens
+        before = cache.num_sequences
+        stopped = Ticket(_req(stop=["never in these tokens"]), _ids(prompts[1]), None, 20, loop)
+        engine.submit(stopped)
+        tokens, kind, summary = await _outcome(stopped)
+        assert kind == "done" and summary["finish_reason"] in ("stop", "length") and len(tokens) > 5
+        await asyncio.sleep(0.1)
+        assert cache.num_sequences == before  # waiting for the web layer's verdict
+        stopped.cancel(keep=5)  # a stop string in the last tokens: the client got the first 5
+        stopped.cancel()
+        while cache.num_sequences == before:
+            await asyncio.sleep(0.002)
+        return tokens, cache.sequences()[-1]
+
+    with _engine(tiny_model) as engine:
+        tokens, learnt = asyncio.run(main(engine))
+    assert learnt[-5:].tolist() == tokens[:5] and len(learnt) <= 5 + engine.drafter.cache.max_n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shutdown
+
+
+def test_shutdown_answers_what_it_cuts_with_a_503(tiny_factory, monkeypatch):
+    model = tiny_factory("llama")
+    _small_chunks(monkeypatch, lone=8, busy=8)
+    real = batch_module.target_forward
+
+    def slow(*args, **kwargs):  # every pass takes 20 ms: the requests are still running when the drain ends
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "target_forward", slow)
+    short = _prompts(model, count=1, seed=67)[0]
+    long = _long_prompt(model, seed=3)
+    engine = Engine(model, None, Drafter(DrafterConfig(calibrate=False)), max_batch=2, max_queue=8)
+    engine.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        running = Ticket(_req(lookup=False), _ids(short), None, 400, loop)  # one token per pass: 8 s of passes
+        prefilling = Ticket(_req(), _ids(long), None, 40, loop)  # 35 chunks of 8 tokens, a step after each
+        waiting = Ticket(_req(), _ids(short), None, 40, loop)  # the batch is full (max_batch 2)
+        left = Ticket(_req(), _ids(short), None, 40, loop)  # its client goes away while it waits
+        engine.submit(running)
+        outcomes = [asyncio.ensure_future(_outcome(running))]
+        await _first_tokens(running)
+        for ticket in (prefilling, waiting, left):
+            engine.submit(ticket)
+            outcomes.append(asyncio.ensure_future(_outcome(ticket)))
+        while not (engine.run.joining and engine.run.joining[0].prefilled > 0):
+            await asyncio.sleep(0.005)
+        left.cancel()
+        await loop.run_in_executor(None, engine.stop, 0.2)
+        with pytest.raises(RuntimeError):
+            engine.submit(Ticket(_req(), _ids(short), None, 4, loop))
+        return [prefilling, waiting], await asyncio.wait_for(asyncio.gather(*outcomes), 30)
+
+    (prefilling, waiting), outcomes = asyncio.run(main())
+    for tokens, kind, error in outcomes[:3]:
+        assert kind == "error" and isinstance(error, APIError)
+        assert (error.status, error.type, error.code) == (503, "server_error", "server_shutting_down")
+        assert error.message == "the server shut down before this request finished"
+    assert 0 < len(outcomes[0][0]) < 400  # cut mid-answer
+    assert 0 < prefilling.row.prefilled < prefilling.row.prompt_len  # cut mid-prefill
+    assert waiting.row is None  # cut before it started
+    assert outcomes[3][1] == "done" and outcomes[3][2]["finish_reason"] == "cancelled"  # the client's own cancel
+    assert not engine.busy and not engine._thread.is_alive()
+    engine.stop(timeout=1)  # again: nothing left to do
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sliding-window models; sampling
+
+
+def _sliding_model():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, bos_token_id=0,
+                           eos_token_id=1, pad_token_id=2)
+    model = MistralForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 2
+    return model
+
+
+def _served_one_at_a_time(model, prompts, budget, caplog):
+    with caplog.at_level(logging.WARNING, logger="lookupdec.serve.engine"):
+        engine = Engine(model, None, Drafter(DrafterConfig(calibrate=False)), max_batch=8)
+    assert engine.max_batch == 1
+    warnings = [r for r in caplog.records if "sliding-window" in r.getMessage()]
+    assert len(warnings) == 1 and "one request at a time" in warnings[0].getMessage()
+    engine.start()
+    try:
+        outcomes = _ask(engine, [(p, budget, {}) for p in prompts])
+    finally:
+        engine.stop(timeout=5)
+    for (tokens, kind, _), prompt in zip(outcomes, prompts):
+        assert kind == "done" and tokens == _greedy(model, prompt, budget)
+
+
+def test_a_sliding_window_model_is_served_one_request_at_a_time(caplog):
+    model = _sliding_model()
+    _served_one_at_a_time(model, _prompts(model, count=2, seed=71), 40, caplog)
+
+
+@pytest.mark.slow
+def test_gemma3_is_served_one_request_at_a_time(gemma3, caplog):
+    model, tokenizer = gemma3
+    prompts = [tokenizer.encode(text) for text in (
+        "Here is a list: apples, pears, plums, cherries. The same list in reverse order:",
+        "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")]
+    _served_one_at_a_time(model, prompts, 32, caplog)
+
+
+def test_a_tiny_temperature_gives_the_greedy_answer(tiny_model):
+    prompts = _prompts(tiny_model, count=2, seed=73)
+    with _engine(tiny_model) as engine:
+        outcomes = _ask(engine, [(p, 40, {"temperature": 1e-40, "seed": 5}) for p in prompts])
+    for (tokens, kind, _), prompt in zip(outcomes, prompts):
+        assert kind == "done" and tokens == _greedy(tiny_model, prompt, 40)
+
+
+def test_load_counts_the_requests_being_prefilled(tiny_model, monkeypatch):
+    _small_chunks(monkeypatch, lone=8, busy=8)
+    real = batch_module.target_forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.01)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "target_forward", slow)
+    long = _long_prompt(tiny_model, seed=4)
+    loads = []
+
+    async def watch(i, tickets):
+        if i == 1:
+            while not engine.run.joining:
+                await asyncio.sleep(0.002)
+            loads.append(engine.load)
+
+    with _engine(tiny_model, max_batch=4) as engine:
+        outcomes = _ask(engine, [(long, 8, {}), (long, 8, {})], between=watch)
+    assert loads and loads[0][0] >= 1
+    assert [kind for _, kind, _ in outcomes] == ["done", "done"]
