@@ -145,7 +145,8 @@ def reformat(files, instruction, to, output, in_place, batch, model_name, device
 
 SERVE_EXIT_HELP = """\b
 Exit codes:
-  0    stopped by SIGTERM or Ctrl-C, requests in flight finished, cache saved
+  0    stopped by SIGTERM or Ctrl-C: requests in flight finished (or, past
+       --drain-timeout, answered with a 503), cache saved
   2    usage error, or a model or extra that cannot be loaded
 """
 
@@ -168,9 +169,13 @@ Exit codes:
               help="auto (CUDA if available, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
               help="auto is bf16 on CUDA and fp32 on the CPU.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="SECONDS",
+              help="On SIGTERM or Ctrl-C, how long requests in flight get to finish; those still running are then "
+                   "answered with a 503 (a stream: an error event, then [DONE]).")
 @click.option("--no-calibrate", is_flag=True, help="Skip measuring the pass cost at startup (once per machine, "
               "cached); the drafter then fits a straight line as it goes.")
-def serve(model_name, host, port, max_batch, max_queue, cache_path, api_key, device, dtype, no_calibrate):
+def serve(model_name, host, port, max_batch, max_queue, cache_path, api_key, device, dtype, drain_timeout,
+          no_calibrate):
     """Serve the model over OpenAI's API (chat and completions, streaming), honouring Predicted Outputs.
 
     \b
@@ -182,7 +187,7 @@ def serve(model_name, host, port, max_batch, max_queue, cache_path, api_key, dev
 
     options = ServeOptions(model=model_name, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
                            cache=cache_path, api_key=api_key, device=device, dtype=dtype,
-                           calibrate=not no_calibrate)
+                           drain_timeout=drain_timeout, calibrate=not no_calibrate)
     try:
         run_server(options, say=lambda line: click.echo(line, err=True))
     except ServeError as err:

@@ -34,6 +34,7 @@ import lookupdec  # noqa: E402
 from lookupdec.drafter import Drafter, DrafterConfig  # noqa: E402
 from lookupdec.serve.app import create_app  # noqa: E402
 from lookupdec.serve.engine import Engine  # noqa: E402
+from lookupdec.serve.run import draining_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +52,14 @@ EDIT = [{"role": "user", "content": f"Here is a YAML file:\n\n{CONFIG}\nRewrite 
 
 
 @contextmanager
-def running_server(model, tokenizer, *, max_batch=8, max_queue=64, api_key=None):
+def running_server(model, tokenizer, *, max_batch=8, max_queue=64, api_key=None, drain_timeout=10):
     """The app on uvicorn in a thread, on a socket bound to a free port of 127.0.0.1; stopped on exit."""
     engine = Engine(model, tokenizer, Drafter(DrafterConfig(calibrate=False)), max_batch=max_batch,
                     max_queue=max_queue)
-    app = create_app(engine, MODEL, api_key=api_key, shutdown_timeout=10)
+    app = create_app(engine, MODEL, api_key=api_key, drain_timeout=drain_timeout)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = draining_server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -104,9 +105,13 @@ def test_chat_with_a_prediction_is_plain_greedy_and_counts_the_prediction(client
     assert r.choices[0].message.content == plain == ours
     assert r.choices[0].finish_reason in ("stop", "length") and r.object == "chat.completion"
     details, lookup = r.usage.completion_tokens_details, r.usage.lookup
-    assert details.accepted_prediction_tokens > 0  # the model copied the file: drafts from the prediction held
-    assert details.accepted_prediction_tokens <= lookup["accepted_tokens"]
-    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens <= lookup["drafted_tokens"]
+    # OpenAI's meaning: the prediction's tokens that appear in the answer, and those that do not.
+    prediction_tokens = len(smollm2[1].encode(CONFIG, add_special_tokens=False))
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == prediction_tokens
+    assert details.accepted_prediction_tokens > 0  # the model copied the file
+    # Ours: drafted tokens copied from the prediction that the model kept or refused.
+    assert 0 < lookup["prediction_drafts_accepted"] <= lookup["accepted_tokens"]
+    assert lookup["prediction_drafts_accepted"] + lookup["prediction_drafts_rejected"] <= lookup["drafted_tokens"]
     assert r.usage.completion_tokens == 48 or r.choices[0].finish_reason == "stop"
     assert lookup["passes"] < r.usage.completion_tokens  # drafts were accepted
 
@@ -122,6 +127,7 @@ def test_a_prediction_as_text_parts_and_no_prediction_give_the_same_answer(clien
     off = client.chat.completions.create(**kwargs, extra_body={"lookup": False})
     assert parts.choices[0].message.content == none.choices[0].message.content == off.choices[0].message.content
     assert parts.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert parts.usage.lookup["prediction_drafts_accepted"] > 0
     assert none.usage.completion_tokens_details.accepted_prediction_tokens == 0
     assert off.usage.lookup["drafted_tokens"] == 0 and off.usage.lookup["passes"] == off.usage.completion_tokens
 
@@ -135,8 +141,11 @@ def test_a_prediction_of_the_whole_answer_is_drafted_and_counted(client):
     again = client.completions.create(**kwargs, extra_body={"prediction": {"type": "content", "content": answer}})
     assert again.choices[0].text == answer
     details, lookup = again.usage.completion_tokens_details, again.usage.lookup
-    assert details.accepted_prediction_tokens >= 0.9 * lookup["accepted_tokens"] > 0
-    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens <= lookup["drafted_tokens"]
+    # Every token of the prediction is in the answer (it is the answer).
+    assert details.accepted_prediction_tokens == again.usage.completion_tokens and \
+        details.rejected_prediction_tokens == 0
+    assert lookup["prediction_drafts_accepted"] >= 0.9 * lookup["accepted_tokens"] > 0
+    assert lookup["prediction_drafts_accepted"] + lookup["prediction_drafts_rejected"] <= lookup["drafted_tokens"]
     assert lookup["passes"] <= again.usage.completion_tokens / 3
 
 

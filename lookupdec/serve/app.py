@@ -1,8 +1,17 @@
 """The HTTP layer: FastAPI routes in OpenAI's shape over the :class:`~lookupdec.serve.engine.Engine`.
 
 Every refusal is a 4xx with OpenAI's error body (:class:`~lookupdec.serve.protocol.APIError`), a fault of the
-server a 500 with the same body and the traceback in the log only. Text is decoded incrementally from the tokens
-the engine commits; stop strings are found in that text, cut from the answer, and end the request's row.
+server a 500 with the same body and the traceback in the log only. Nothing slow runs on the event loop: a request's
+JSON, checks and tokenization run in worker threads (large bodies in a pool of their own, so a 7 MB prompt never
+delays a short one), and the answer is decoded incrementally as the engine commits tokens
+(:class:`~lookupdec.serve.text.Detokenizer`); stop strings are found in that text, cut from the answer, and end
+the request's row.
+
+Life cycle: ``/health`` answers from the first moment, ``"starting"`` (503) while the pass cost is measured, then
+``"ok"``. A shutdown (:meth:`drain`, called by the server on SIGTERM or Ctrl-C) stops taking requests, lets the
+running ones finish for ``drain_timeout`` seconds, and answers what is still running then with an OpenAI-shaped
+503 (a stream: an error event, then ``[DONE]``), never with a cut connection or a truncated answer posing as
+complete.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import hmac
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -21,30 +31,65 @@ from starlette.exceptions import HTTPException
 from . import protocol
 from .engine import Engine, QueueFull, Ticket
 from .protocol import APIError
+from .text import Detokenizer, chat_prompt_ids
 
 _log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused (413)
+# A prediction longer than the model's context cannot be used (no answer is longer), and its tokenization and index
+# cost time in proportion to its size: refused, before tokenizing when its text is longer than this many
+# characters per context token (no real text averages more per token), after when its tokens outnumber the context.
+PREDICTION_CHARS_PER_TOKEN = 16
+_LARGE_BODY_BYTES = 256 << 10  # bodies from this size are parsed and tokenized in a pool of their own
 _DISCONNECT_POLL_S = 0.5  # how often a request that does not stream checks whether its client is still there
 
 
 def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, on_shutdown=None,
-               max_body_bytes: int = MAX_BODY_BYTES, shutdown_timeout: float = 30.0) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, drain_timeout: float = 30.0, startup=None) -> FastAPI:
     """The application serving ``engine`` under ``model_name``. ``api_key``: required as ``Authorization: Bearer``
-    on every ``/v1`` route. ``on_shutdown()`` runs after the engine has stopped (the CLI saves the rolling cache
-    there)."""
+    on every ``/v1`` route. ``startup()``, when given, runs in a worker thread before the engine starts (the CLI
+    measures the pass cost there) while ``/health`` answers ``"starting"``. ``drain_timeout``: seconds the
+    requests in flight get to finish at shutdown. ``on_shutdown()`` runs after the engine has stopped (the CLI saves
+    the rolling cache there)."""
+    status = {"value": "starting"}
+    # Small bodies and large ones are prepared in separate pools: six 7.9 MB prompts (several seconds of
+    # tokenizing each) queue behind each other, never in front of a short request.
+    small = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lookupdec-request")
+    large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookupdec-large-request")
+
+    async def start() -> None:
+        if startup is not None:
+            await asyncio.get_running_loop().run_in_executor(None, startup)
+        if status["value"] == "starting":
+            engine.start()
+            status["value"] = "ok"
 
     @asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        # With nothing to measure the engine is running before the first connection is taken; otherwise it
+        # starts once the measurement, in a worker thread, is done.
+        starting = asyncio.ensure_future(start())
+        if startup is None:
+            await starting
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, engine.stop, shutdown_timeout)
+            status["value"] = "stopping"
+            await drain()
+            if not starting.done():  # stopped while measuring: the measurement finishes in its thread, unused
+                starting.cancel()
+            small.shutdown(wait=False, cancel_futures=True)
+            large.shutdown(wait=False, cancel_futures=True)
             if on_shutdown is not None:
                 on_shutdown()
 
+    async def drain() -> None:
+        """Stop taking requests; the running ones get ``drain_timeout`` seconds, then a 503 each. Idempotent."""
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop, drain_timeout)
+
     app = FastAPI(title="lookupdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    app.state.drain = drain
     created = int(time.time())
     expected_key = api_key.encode() if api_key else None
 
@@ -59,7 +104,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, o
 
     @app.exception_handler(Exception)
     async def _fault(request, err: Exception):
-        _log.exception("unexpected error serving %s", request.url.path)
+        _log.error("unexpected error serving %s", request.url.path, exc_info=err)
         return JSONResponse(APIError(500, "internal server error", type="server_error", code="internal_error").body(),
                             status_code=500)
 
@@ -77,7 +122,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, o
     @app.get("/health")
     async def health():
         running, waiting = engine.load
-        return {"status": "ok", "model": model_name, "running": running, "waiting": waiting}
+        body = {"status": status["value"], "model": model_name, "running": running, "waiting": waiting}
+        return JSONResponse(body, status_code=200 if status["value"] == "ok" else 503)
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
@@ -94,19 +140,28 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, o
 
     async def serve(request: HTTPRequest, kind: str):
         authorize(request)
-        req = protocol.parse(await _json_body(request, max_body_bytes), kind, [model_name])
-        ticket = _ticket(engine, req)
+        if status["value"] != "ok":
+            raise APIError(503, "the server is starting (measuring the model's pass cost); retry shortly"
+                           if status["value"] == "starting" else "the server is shutting down",
+                           type="server_error", code="server_starting" if status["value"] == "starting"
+                           else "server_shutting_down", headers={"Retry-After": "5"})
+        raw = await _read_body(request, max_body_bytes)
+        loop = asyncio.get_running_loop()
+        pool = large if len(raw) >= _LARGE_BODY_BYTES else small
+        req, prompt_ids, prediction_ids, max_tokens = await loop.run_in_executor(
+            pool, _prepare, raw, kind, model_name, engine)
+        ticket = Ticket(req, prompt_ids, prediction_ids, max_tokens, loop)
         try:
             engine.submit(ticket)
         except QueueFull:
             raise APIError(429, "the server is busy: too many requests are waiting; retry shortly",
                            type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except RuntimeError as err:
-            raise APIError(503, str(err), type="server_error", code="unavailable") from None
+            raise APIError(503, str(err), type="server_error", code="server_shutting_down") from None
         if req.stream:
-            return StreamingResponse(_stream(ticket, engine.tokenizer), media_type="text/event-stream",
+            return StreamingResponse(_stream(ticket, engine.tokenizer, small), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await _collect(ticket, request, engine.tokenizer))
+        return JSONResponse(await _collect(ticket, request, engine.tokenizer, small))
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
@@ -116,11 +171,10 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, o
     async def completions(request: HTTPRequest):
         return await serve(request, "completion")
 
-    app.state.engine = engine
     return app
 
 
-async def _json_body(request: HTTPRequest, limit: int):
+async def _read_body(request: HTTPRequest, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -130,97 +184,86 @@ async def _json_body(request: HTTPRequest, limit: int):
         if size > limit:
             raise _too_large(limit)
         chunks.append(part)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    return b"".join(chunks)
 
 
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
-def _ticket(engine: Engine, req: protocol.Request) -> Ticket:
-    """Tokenize ``req`` (the model's chat template for chat) and check it fits the model's context."""
-    tokenizer = engine.tokenizer
+def _prepare(raw: bytes, kind: str, model_name: str, engine: Engine) -> tuple:
+    """In a worker thread: the body checked (:func:`protocol.parse`) and tokenized (the model's chat template for
+    chat), checked against the model's context. Returns ``(request, prompt ids, prediction ids or None,
+    max_tokens)``; :class:`APIError` for what the server refuses."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    req = protocol.parse(body, kind, [model_name])
+    tokenizer, context = engine.tokenizer, engine.context
+    if req.prediction is not None and len(req.prediction) > PREDICTION_CHARS_PER_TOKEN * context:
+        raise _prediction_too_large(f"{len(req.prediction)} characters", context)
     if req.kind == "chat":
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages",
                            code="no_chat_template")
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = chat_prompt_ids(tokenizer, req.messages)
     else:
         prompt_ids = tokenizer.encode(req.prompt)
     param = "messages" if req.kind == "chat" else "prompt"
-    room = engine.context - len(prompt_ids)
+    room = context - len(prompt_ids)
     if not prompt_ids:
         raise protocol.invalid("the prompt is empty once tokenized", param=param)
     if req.max_tokens is not None and req.max_tokens > room or room < 1:
-        raise APIError(400, f"This model's maximum context length is {engine.context} tokens. However, you "
+        raise APIError(400, f"This model's maximum context length is {context} tokens. However, you "
                        f"requested {len(prompt_ids) + (req.max_tokens or 1)} tokens ({len(prompt_ids)} in the "
                        f"{param}, {req.max_tokens or 1} for the completion).", param=param,
                        code="context_length_exceeded")
     prediction = None
     if req.prediction:
         prediction = tokenizer.encode(req.prediction, add_special_tokens=False)
-    return Ticket(req, prompt_ids, prediction, req.max_tokens or room, asyncio.get_running_loop())
+        if len(prediction) > context:
+            raise _prediction_too_large(f"{len(prediction)} tokens", context)
+    return req, prompt_ids, prediction, req.max_tokens or room
 
 
-class _Text:
-    """Incremental detokenization with stop strings: :meth:`add` takes committed tokens and returns the text that
-    is safe to send (complete characters, and never a prefix of a stop string that may still complete)."""
-
-    def __init__(self, tokenizer, stops: list):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.tokens: list = []
-        self.text = ""  # decoded so far
-        self.sent = 0  # characters of text already handed out
-        self.stopped = False
-        self._hold = max((len(s) for s in stops), default=1) - 1
-
-    def add(self, tokens: list) -> str:
-        self.tokens += tokens
-        if self.stopped:  # tokens of the pass that was running when the stop string appeared
-            return ""
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-            return ""
-        self.text = text
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> str:
-        if not self.stopped:
-            hits = [i for i in (self.text.find(s, max(0, self.sent - self._hold)) for s in self.stops) if i >= 0]
-            if hits:
-                self.text, self.stopped = self.text[: min(hits)], True
-        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self._hold)
-        out, self.sent = self.text[self.sent: end], end
-        return out
+def _prediction_too_large(size: str, context: int) -> APIError:
+    return APIError(400, f"the prediction is too large ({size}): this server takes predictions of at most {context} "
+                    f"tokens (the model's context) and {PREDICTION_CHARS_PER_TOKEN * context} characters",
+                    param="prediction.content", code="prediction_too_large")
 
 
-def _usage(ticket: Ticket, summary: dict) -> dict:
-    out = protocol.usage(len(ticket.prompt_ids), summary.get("completion_tokens", 0),
-                         summary.get("accepted_prediction_tokens", 0), summary.get("rejected_prediction_tokens", 0))
+def _usage(ticket: Ticket, summary: dict, completion_ids: list) -> dict:
+    """OpenAI's usage object: ``completion_tokens`` are the answer's tokens (up to a stop string); the prediction
+    counts in OpenAI's meaning (the prediction's tokens that do / do not appear in the answer); ``lookup``: this
+    server's own figures (passes, drafted and accepted tokens, and the drafted tokens copied from the prediction
+    that the model kept or refused)."""
+    accepted, rejected = protocol.prediction_usage(ticket.prediction_ids, completion_ids) \
+        if ticket.prediction_ids else (0, 0)
+    out = protocol.usage(len(ticket.prompt_ids), len(completion_ids), accepted, rejected)
     out["lookup"] = {key: summary.get(key, 0) for key in ("passes", "drafted_tokens", "accepted_tokens")}
+    out["lookup"]["prediction_drafts_accepted"] = summary.get("accepted_prediction_tokens", 0)
+    out["lookup"]["prediction_drafts_rejected"] = summary.get("rejected_prediction_tokens", 0)
     return out
 
 
-async def _events(ticket: Ticket, text: _Text):
+async def _events(ticket: Ticket, text: Detokenizer, pool):
     """``("text", str)`` as text becomes safe to send, then ``("done", finish_reason, usage)``; raises the
-    engine's APIError. A stop string cancels the row and ends the answer there."""
+    engine's APIError. A stop string cancels the row and ends the answer there; a row ended by anything but its
+    own finish (a stop string, EOS, the budget) is an error, never an answer that looks complete."""
+    ids = []
     while True:
         event = await ticket.events.get()
         if event[0] == "tokens":
+            if not text.stopped:
+                ids += event[1]
             piece = text.add(event[1])
             if piece:
                 yield ("text", piece)
             if text.stopped:
-                ticket.cancel()
+                ticket.cancel(keep=text.kept_tokens)
         elif event[0] == "error":
             raise event[1]
         else:
@@ -228,14 +271,22 @@ async def _events(ticket: Ticket, text: _Text):
             piece = text.finish()
             if piece:
                 yield ("text", piece)
+            if text.stopped:  # found only now: the row ended by itself with the stop string in its last pass
+                ticket.cancel(keep=text.kept_tokens)
             reason = "stop" if text.stopped else summary.get("finish_reason")
-            yield ("done", "stop" if reason == "cancelled" else reason, _usage(ticket, summary))
+            if reason not in ("stop", "length"):
+                raise APIError(503, "the request was cancelled before it finished", type="server_error",
+                               code="request_cancelled")
+            usage = await asyncio.get_running_loop().run_in_executor(
+                pool, _usage, ticket, summary, ids[: text.kept_tokens])
+            yield ("done", reason, usage)
             return
 
 
-async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer) -> dict:
-    text = _Text(tokenizer, ticket.req.stop)
-    events = _events(ticket, text)
+async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer, pool) -> dict:
+    """The answer of a request that does not stream: the streamed events joined."""
+    text = Detokenizer(tokenizer, ticket.req.stop)
+    events = _events(ticket, text, pool)
     parts = []
     try:
         while True:
@@ -262,10 +313,10 @@ async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer) -> dict:
     raise APIError(500, "the request ended without an answer", type="server_error", code="internal_error")
 
 
-async def _stream(ticket: Ticket, tokenizer):
+async def _stream(ticket: Ticket, tokenizer, pool):
     req = ticket.req
     rid, created = protocol.new_id(req.kind), int(time.time())
-    text = _Text(tokenizer, req.stop)
+    text = Detokenizer(tokenizer, req.stop)
 
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
@@ -274,7 +325,7 @@ async def _stream(ticket: Ticket, tokenizer):
         if req.kind == "chat":
             yield sse(protocol.chunk(req, rid, created, first=True))
         try:
-            async for event in _events(ticket, text):
+            async for event in _events(ticket, text, pool):
                 if event[0] == "text":
                     yield sse(protocol.chunk(req, rid, created, event[1]))
                 else:
@@ -284,6 +335,9 @@ async def _stream(ticket: Ticket, tokenizer):
                         yield sse(protocol.chunk(req, rid, created, usage_=usage))
         except APIError as err:  # headers are gone: the error travels as an event, as OpenAI's streams do
             yield sse(err.body())
+        except Exception:  # noqa: BLE001 - a fault of the server: said in the stream, the traceback in the log
+            _log.exception("unexpected error while streaming")
+            yield sse(APIError(500, "internal server error", type="server_error", code="internal_error").body())
         yield "data: [DONE]\n\n"
     finally:
         ticket.cancel()  # the client left (or the stream ended): free the row

@@ -1,6 +1,7 @@
-"""One server run: load the model and the rolling cache, measure the pass cost, serve until SIGTERM or Ctrl-C
-(uvicorn stops accepting and lets the requests in flight finish, up to ``shutdown_timeout``), then save the
-rolling cache atomically."""
+"""One server run: load the model and the rolling cache, start listening (``/health`` says ``"starting"`` while the
+pass cost is measured), serve until SIGTERM or Ctrl-C, then drain: no new connections, the requests in flight get
+``drain_timeout`` seconds to finish and what is still running is answered with a 503, and the rolling cache is
+saved atomically."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class ServeOptions:
     api_key: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    shutdown_timeout: float = 30.0
+    drain_timeout: float = 30.0  # seconds the requests in flight get to finish at shutdown
     calibrate: bool = True  # measure the pass cost (once per machine); False: a straight-line fit learned online
 
 
@@ -58,11 +59,15 @@ def serve(options: ServeOptions, say=print) -> None:
     said = []
 
     def measuring() -> None:
-        if not said:
-            said.append(True)
-            say("measuring the model's pass cost by draft length and batch size (once per machine)...")
+        said.append(True)
+        say(f"measuring the model's pass cost by draft length and batch size (once per machine; step {len(said)})..."
+            if len(said) > 1 else "measuring the model's pass cost by draft length and batch size (once per machine;"
+            " /health says 'starting' meanwhile)...")
 
-    engine.calibrate(on_measure=measuring)
+    def startup() -> None:
+        engine.calibrate(on_measure=measuring)
+        if said:
+            say("measured; ready")
 
     def save_cache() -> None:
         if options.cache is not None and drafter.cache is not None:
@@ -73,20 +78,39 @@ def serve(options: ServeOptions, say=print) -> None:
                 _log.error("could not save the rolling cache to %s: %s", options.cache, err)
 
     app = create_app(engine, name, api_key=options.api_key or os.environ.get("LOOKUPDEC_API_KEY") or None,
-                     on_shutdown=save_cache, shutdown_timeout=options.shutdown_timeout)
-    say(f"serving {name} on http://{options.host}:{options.port}/v1 (max batch {options.max_batch})")
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
-                            timeout_graceful_shutdown=int(options.shutdown_timeout))
+                     on_shutdown=save_cache, drain_timeout=options.drain_timeout, startup=startup)
+    say(f"serving {name} on http://{options.host}:{options.port}/v1 (max batch {engine.max_batch})")
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")
     # uvicorn handles SIGTERM and SIGINT while it serves (a graceful shutdown), then raises them again under the
     # handlers found at its start: those end the process quietly here, since the shutdown has been done.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.Server(config).run()
+        draining_server(config).run()
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
     say("stopped")
+
+
+def draining_server(config):
+    """A ``uvicorn.Server`` for ``config`` (whose app is :func:`~lookupdec.serve.app.create_app`'s) that drains
+    the app before uvicorn's own shutdown: it stops accepting connections, then the app gives the requests in
+    flight their drain time and answers the rest with 503s; only then does uvicorn close the connections, which
+    are all answered by then. (uvicorn alone would wait for the handlers and then cancel them, which cuts a stream
+    mid-answer and answers a plain request with a bare text/plain 500.)"""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            for server in self.servers:
+                server.close()
+            await config.app.state.drain()
+            await super().shutdown(sockets)
+
+    # uvicorn's own wait comes after the drain: by then every request has its answer, so a few seconds suffice.
+    config.timeout_graceful_shutdown = 10
+    return DrainingServer(config)
 
 
 def _load_cache(path: Path | None, say) -> RollingCache | None:
