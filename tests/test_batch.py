@@ -18,6 +18,13 @@ from lookupdec import batch as batch_module
 from lookupdec.drafter import NoDrafts
 
 
+@pytest.fixture(autouse=True)
+def _chunk_small_prompts(monkeypatch):
+    """The tests' "long" prompts are a few hundred tokens (the tiny models' context); a real server prefills such
+    prompts whole (``WHOLE_PROMPT``), so the chunking is exercised on them by lowering that bound."""
+    monkeypatch.setattr(batch_module, "WHOLE_PROMPT", 32)
+
+
 def _left_pad(prompts, pad):
     width = max(p.shape[1] for p in prompts)
     ids = torch.full((len(prompts), width), pad)
@@ -447,6 +454,27 @@ def test_a_shorter_prompt_goes_first_and_a_joined_row_ends_the_lone_budget(tiny_
     assert chunks[0] == (rows[2], short.shape[1]) and events[1] == ("step",)
     assert {n for row, n in chunks[1:-1]} == {24} and all(row is rows[1] for row, n in chunks[1:])
     for row, prompt in zip(rows, (long, long, short)):
+        assert row.tokens.tolist() == _singles(tiny_model, [prompt], 30)[0]
+
+
+def test_a_prompt_within_whole_prompt_joins_in_one_pass_beside_running_rows(tiny_model, monkeypatch):
+    # Chunks are for long prompts: one of at most WHOLE_PROMPT tokens is prefilled in one pass even when the busy
+    # budget is smaller (step-sized chunks of it would each read every weight again).
+    _budgets(monkeypatch, lone=None, busy=24)
+    long, short = _long_prompt(tiny_model, seed=6), _prompts(tiny_model, count=1, seed=8)[0]
+    monkeypatch.setattr(batch_module, "WHOLE_PROMPT", long.shape[1])
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    events = _record(run, monkeypatch)
+    rows = [_row(tiny_model, drafter, prompt, 30) for prompt in (short, long)]
+    with torch.inference_mode():
+        run.enqueue(rows[0])
+        run.prefill_pending()
+        run.step()  # rows[0] decodes: the busy budget applies from here
+        run.enqueue(rows[1])
+        _drive(run)
+    assert [(e[1], e[2]) for e in events if e[0] == "chunk"] == [(rows[0], short.shape[1]), (rows[1], long.shape[1])]
+    for row, prompt in zip(rows, (short, long)):
         assert row.tokens.tolist() == _singles(tiny_model, [prompt], 30)[0]
 
 

@@ -419,11 +419,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_cli(port, cache, log):
+def _start_cli(port, cache, log, *extra):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "lookupdec.cli", "serve", "--port", str(port), "--cache",
-                             str(cache), "--no-calibrate", "--max-batch", "2"], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
+                             str(cache), "--no-calibrate", "--max-batch", "2", *extra], stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 180
     while True:
         assert proc.poll() is None, "the server exited"
@@ -467,3 +467,53 @@ def test_the_command_finishes_requests_on_sigterm_and_keeps_its_cache(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     assert f"loaded the rolling cache from {cache} ({len(saved)} tokens)" in log_path.read_text()
+
+
+def test_requests_cut_by_shutdown_say_so_and_the_cache_is_still_saved(tmp_path):
+    # Two long requests in flight (one streaming) and a third waiting, past a 1 s drain: each client gets an
+    # OpenAI-shaped 503 (the stream: an error event, then [DONE]), never a cut connection, a text/plain 500 or an
+    # answer that looks complete; the rolling cache is saved and the command exits 0.
+    cache = tmp_path / "cache.json"
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+            "temperature": 0, "max_tokens": 3000}
+    results = {}
+
+    def plain(name):
+        results[name] = httpx.post(url + "/v1/chat/completions", json=long, timeout=120)
+
+    def streamed():
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**long, "stream": True}, timeout=120) as r:
+            results["stream"] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = _start_cli(port, cache, log, "--drain-timeout", "1")
+        try:
+            workers = [threading.Thread(target=streamed), threading.Thread(target=plain, args=("plain",)),
+                       threading.Thread(target=plain, args=("waiting",))]
+            for worker in workers:
+                worker.start()
+            deadline = time.monotonic() + 60
+            while _running(url) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(1.0)  # some tokens generated
+            proc.send_signal(signal.SIGTERM)
+            for worker in workers:
+                worker.join(timeout=120)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    for name in ("plain", "waiting"):
+        r = results[name]
+        assert r.status_code == 503 and r.headers["content-type"].startswith("application/json"), (name, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "server_shutting_down" and set(error) == {"message", "type", "param", "code"}
+    status, lines = results["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["error"]["code"] == "server_shutting_down"
+    assert not any('"finish_reason": "stop"' in line or '"finish_reason":"stop"' in line for line in lines)
+    assert len(lookupdec.RollingCache.load(cache, strict=True)) > 0  # what the stream generated was kept

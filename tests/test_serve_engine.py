@@ -25,6 +25,13 @@ from lookupdec.serve.engine import Engine, Ticket
 from lookupdec.serve.protocol import APIError, Request
 
 
+@pytest.fixture(autouse=True)
+def _chunk_small_prompts(monkeypatch):
+    """The tests' "long" prompts are a few hundred tokens (the tiny models' context); a real server prefills such
+    prompts whole (``WHOLE_PROMPT``), so the chunking is exercised on them by lowering that bound."""
+    monkeypatch.setattr(batch_module, "WHOLE_PROMPT", 32)
+
+
 def _req(**kw) -> Request:
     kw.setdefault("temperature", 0.0)
     return Request(kind="completion", model="test", prompt="(token ids given)", **kw)
