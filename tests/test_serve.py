@@ -327,22 +327,28 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(client, server, monk
 
 
 
-def test_the_engine_hands_freed_heap_back_while_busy_and_once_idle(client, monkeypatch):
+def test_the_engine_hands_freed_heap_back_while_busy_and_once_idle(client, server, monkeypatch):
     # Freed KV-cache memory is returned to the system at most once a second during a request (so a long-running
     # server's resident size stays flat) and once more when the batch empties.
     import lookupdec.serve.engine as engine_module
 
+    url = server[0]
     trims = []
     monkeypatch.setattr(engine_module, "_trim_heap", lambda: trims.append(time.monotonic()))
     monkeypatch.setattr(engine_module, "_TRIM_PERIOD_S", 0.0)  # every step
     r = client.chat.completions.create(model=MODEL, messages=EDIT, temperature=0, max_tokens=8,
                                        extra_body={"lookup": False})
     # One per step: a step per pass after the prefill, and the last, which finds the row done (and the batch idle).
+    # The answer is sent before that last trim, so the count is read once the engine is idle.
+    _wait_idle(url)
+    time.sleep(0.2)
     assert len(trims) == r.usage.lookup["passes"] == r.usage.completion_tokens
     trims.clear()
     monkeypatch.setattr(engine_module, "_TRIM_PERIOD_S", 3600.0)
     client.chat.completions.create(model=MODEL, messages=EDIT, temperature=0, max_tokens=8,
                                    extra_body={"lookup": False})
+    _wait_idle(url)
+    time.sleep(0.2)
     assert len(trims) == 1  # only as the batch emptied
 
 
