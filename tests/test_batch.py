@@ -724,7 +724,8 @@ def test_cancel_keep_limits_what_joins_the_rolling_cache(tiny_model):
     assert rows[1].tokens.tolist() == _singles(tiny_model, [prompts[1]], 40)[0]
 
 
-def test_a_sliding_window_model_runs_one_row_at_a_time_exactly():
+def _sliding_model():
+    """A tiny random-weight Mistral with a 16-token sliding window."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
@@ -733,6 +734,11 @@ def test_a_sliding_window_model_runs_one_row_at_a_time_exactly():
                            eos_token_id=1, pad_token_id=2)
     model = MistralForCausalLM(config).eval()
     model.generation_config.pad_token_id = 2
+    return model
+
+
+def test_a_sliding_window_model_runs_one_row_at_a_time_exactly():
+    model = _sliding_model()
     prompts = _prompts(model, count=2, seed=43)  # longer than the window
     drafter = LookupDrafter()
     run = batch_module.BatchRun(model, drafter)

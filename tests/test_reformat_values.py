@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from test_reformat_edit import Stub
 
 from lookupdec import cli
 from lookupdec.reformat import run as reformat_run
-from lookupdec.reformat.engine import Completion
 from lookupdec.reformat.focus import choose_targets, find_entries, implied, read_instruction, unasked_change
 from lookupdec.reformat.validate import load_yaml_documents
 from lookupdec.reformat.yamldata import diff
@@ -137,29 +137,13 @@ services:
 """
 
 
-class Appends:
-    """A model that keeps the old value up to its last ``/`` and appends the new value after it, on the whole
-    file and on the entry alone: ``DATA_DIR=/var/lib/app/data`` -> ``DATA_DIR=/var/lib/app//srv/data``."""
-
-    context = 2048
-
-    def count_tokens(self, text):
-        return len(text.split())
-
-    def prepare(self, say):
-        pass
-
-    def complete(self, prompt, max_new_tokens, method="lookup", streamer=None, drafter=None, trace=None):
-        user = prompt.messages[-1]["content"]
-        section = user[len("```yaml\n"): user.index("\n```\n\n")] + "\n"
-        body = section.replace("DATA_DIR=/var/lib/app/data", "DATA_DIR=/var/lib/app//srv/data")
-        return Completion(f"```yaml\n{body}```", tuple(range(len(body.split()))), 1, 0.0)
-
-
 def test_a_value_written_after_the_old_values_start_is_rejected_and_nothing_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "compose.yaml").write_text(COMPOSE)
-    monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress, **where: Appends())
+    # A model that keeps the old value up to its last "/" and appends the new one, on the file and the entry alone.
+    appends = Stub(lambda section, prompt: section.replace("DATA_DIR=/var/lib/app/data",
+                                                           "DATA_DIR=/var/lib/app//srv/data"))
+    monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress, **where: appends)
     result = CliRunner().invoke(cli.main, ["reformat", "compose.yaml", "-i", "Set DATA_DIR to /srv/data.",
                                            "-o", "out.yaml"], catch_exceptions=False)
     assert result.exit_code == 1

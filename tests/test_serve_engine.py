@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from test_batch import _long_prompt, _raising_from
+from test_batch import _long_prompt, _raising_from, _sliding_model
 from test_exactness import _plain, _prompts
 
 from lookupdec import batch as batch_module
@@ -392,18 +392,6 @@ def test_shutdown_answers_what_it_cuts_with_a_503(tiny_factory, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Sliding-window models; sampling
-
-
-def _sliding_model():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, bos_token_id=0,
-                           eos_token_id=1, pad_token_id=2)
-    model = MistralForCausalLM(config).eval()
-    model.generation_config.pad_token_id = 2
-    return model
 
 
 def _served_one_at_a_time(model, prompts, budget, caplog):
