@@ -280,34 +280,29 @@ class _Body(_Strict):
         return value
 
 
+def _no_logprobs(value):
+    """``logprobs`` in either endpoint's type: only its "off" value (false, 0) is served."""
+    if value:
+        raise _unsupported("is not supported by this server")
+    return value
+
+
 class ChatBody(_Body):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[Message], Field(min_length=1, fail_fast=True)] = Field(
         description="must be a non-empty array")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="must be an integer >= 1")
-    logprobs: bool | None = Field(None, description="must be a boolean (only false is supported)")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported("is not supported by this server")
-        return value
+    logprobs: Annotated[bool | None, AfterValidator(_no_logprobs)] = Field(
+        None, description="must be a boolean (only false is supported)")
 
 
 class CompletionBody(_Body):
     """``POST /v1/completions``."""
 
     prompt: Prompt = Field(description="must be a non-empty string (one prompt per request)")
-    logprobs: int | None = Field(None, description="must be an integer (only 0 is supported)")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise _unsupported("is not supported by this server")
-        return value
+    logprobs: Annotated[int | None, AfterValidator(_no_logprobs)] = Field(
+        None, description="must be an integer (only 0 is supported)")
 
 
 BODIES: dict[str, type[_Body]] = {"chat": ChatBody, "completion": CompletionBody}
