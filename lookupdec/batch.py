@@ -28,12 +28,13 @@ settings (greedy, or sampling with its own seed):
 - **Joining.** A request's prompt is prefilled alone, on a cache of its own, exactly as a single-row generation
   prefills it (in one pass, or in chunks: :meth:`BatchRun.enqueue`, :meth:`BatchRun.prefill_pending`); its first
   token is picked from the last pass, and its cache rows are appended to the batch's (the shorter side
-  left-padded with masked slots). A long prompt is prefilled a chunk per step, each chunk about as costly as a
-  step of the running batch, so it delays the running requests by about one step per step instead of stalling
-  them for its whole prefill; with nothing running it is prefilled in chunks of about a second
-  (:data:`LONE_CHUNK_S`), so a request arriving meanwhile soon joins. Chunking changes no output: a chunk's
-  queries see the keys before it and its own causally, as in one pass (the tests compare greedy outputs with
-  plain ``generate``, on tiny models and SmolLM2).
+  left-padded with masked slots). Beside running requests a long prompt is prefilled in chunks paid for by
+  their steps (each step earns a quarter of its time: :data:`BUSY_STEP_SHARE`), so they decode at about 1.25x
+  their pace alone instead of stalling for its whole prefill; with nothing running it is prefilled in chunks of
+  about 0.25 s (:data:`LONE_CHUNK_S`; longer late in a long prompt, :data:`LONE_CHUNK_MIN`), so a request
+  arriving meanwhile soon joins. Chunking changes no output: a chunk's queries see the keys before it and its
+  own causally, as in one pass (the tests compare greedy outputs with plain ``generate``, on tiny models and
+  SmolLM2).
 - **Failures are the row's own.** A join that fails leaves the batch as it was. An exception that belongs to one
   row (its verification or logits processors, its drafting session, its ``on_commit`` callback) ends that row
   (:attr:`Row.error`) and removes it from the batch; the others go on, unchanged. Only a failure of what the rows
@@ -67,29 +68,37 @@ from .verify import greedy_verdict
 
 _COMPACT_SLACK = 64  # cache slots of holes tolerated beyond the longest row's tokens, before compacting
 
-# Chunked prefill (the server's joins). Budgets of a round of prefill work, from the last prefill pass's rate (its
-# tokens per second; a pass also pays a fixed cost: on a CPU, reading every weight once, ~0.1 s for SmolLM2-135M in
-# fp32 on 2 cores):
-# - while rows decode, half a step of the running batch (BUSY_STEP_SHARE): rate x step time x share, within
-#   [CHUNK_MIN, CHUNK_MAX] tokens, so the running requests decode at about 1.5x their time alone (a whole step's
-#   worth would double it, and a request that arrived during a lone chunk would then take more than twice as long);
-# - while none does, LONE_CHUNK_S seconds' worth (at least CHUNK_MIN tokens): a request that arrives meanwhile
-#   waits about that long, not for the whole prompt, and a prompt that fits (every prompt on a GPU; on a CPU a few
-#   hundred tokens) is prefilled in one pass. Longer ones pay for the chunks on a CPU: SmolLM2-135M, one thread,
-#   4,000 tokens took 11.1 s in one pass, 12.3 s in chunks of 512, 14.0 s in chunks of 128 and 17.7 s in chunks of
-#   64 (a pass with cached keys also attends through an explicit mask, one without through the causal kernel).
-#   None: whole prompts (a lone request pays nothing; one that arrives meanwhile waits for the whole prefill).
+# Chunked prefill (the server's joins). A pass also pays a fixed cost whatever its width (on a CPU, reading every
+# weight once: ~0.05-0.1 s for SmolLM2-135M in fp32 on 2 cores, more than a step of a short request), so chunks
+# are sized by time, from the last prefill pass's rate (its tokens per second):
+# - while rows decode, a long prompt is prefilled on credit: each decoding step earns BUSY_STEP_SHARE of its own
+#   time, and a chunk runs once the credit pays for CHUNK_MIN tokens at that rate, spending what the chunk
+#   measured (a chunk that overruns leaves a debt). The running requests so decode at about 1 + BUSY_STEP_SHARE
+#   times their pace alone, however dear a pass is; a chunk per step instead cost each step a whole pass
+#   (measured: a 16-token request beside an 8k-token prefill took 2.8x its time alone, 2 of it from that). The
+#   credit starts at zero when rows start decoding and holds at most BUSY_CHUNK_S, so a chunk never delays a
+#   step by more than about that;
+# - while none does, LONE_CHUNK_S seconds' worth, and at least LONE_CHUNK_MIN tokens: a request that arrives
+#   meanwhile waits about that long, not for the whole prompt, and a prompt that fits (every prompt on a GPU; on a
+#   CPU a few hundred tokens) is prefilled in one pass. The floor is there because a pass's fixed part grows with
+#   the context it attends to: SmolLM2-135M, one thread, at 1,000 tokens of context 8 more tokens take 0.12 s and
+#   256 take 0.66 s; at 7,000, 0.42 s and 2.1 s. Chunks cut to 0.2 s each in tokens fell to 16 tokens of 0.46 s
+#   late in an 8k prompt, which then took 155 s instead of 80 s; with the floor, a chunk late in such a prompt
+#   takes about 0.7 s (what a request arriving then may wait) and the prompt about 70 s. None: whole prompts (a
+#   lone request pays nothing; one that arrives meanwhile waits for the whole prefill).
 CHUNK_MIN = 16
 CHUNK_MAX = 512
-BUSY_STEP_SHARE = 0.5
-# A prompt of at most this many tokens is prefilled in one pass whatever the budget: its neighbours wait one pass,
-# as for every join before chunking. Cut into step-sized chunks, each a pass that reads every weight, such prompts
-# cost far more: 8 concurrent requests of 165-230-token prompts on one CPU thread fell from 55 to 31 tok/s.
+BUSY_STEP_SHARE = 0.25
+BUSY_CHUNK_S = 0.2
+# A prompt of at most this many tokens is prefilled in one pass whatever the budget, and needs no credit: its
+# neighbours wait one pass, as for every join before chunking. Cut into step-sized chunks, each a pass that reads
+# every weight, such prompts cost far more: 8 concurrent requests of 165-230-token prompts on one CPU thread fell
+# from 55 to 31 tok/s.
 WHOLE_PROMPT = 512
-LONE_CHUNK_S: float | None = 0.5
+LONE_CHUNK_S: float | None = 0.25
+LONE_CHUNK_MIN = 48
 _CHUNK_FIRST = 128  # the budgets before any prefill pass was timed
 _LONE_FIRST = 512
-_STEP_SMOOTHING = 0.5  # weight of the newest pass in the running estimate of a step's time
 
 
 class Row:
@@ -251,7 +260,7 @@ class BatchRun:
         self.counts = np.zeros(0, dtype=np.int64)
         self._feed = host_buffer(0, self.device)
         self._seconds = 0.0  # the last pass's forward time
-        self.step_seconds: float | None = None  # running estimate of a decoding step's forward time
+        self.prefill_credit = 0.0  # seconds of prefill the decoding steps have paid for (busy_budget)
         self.prefill_rate: float | None = None  # prompt tokens per second of the last prefill pass
         # One row whose cache holds no hole or padding: its passes run as a single-row generation's do, without a
         # mask or positions (which would make the model build a full attention mask every step).
@@ -307,10 +316,15 @@ class BatchRun:
             raise ValueError("the row is in the batch already")
 
     def busy_budget(self) -> int:
-        """Prompt tokens a round of prefill may spend while rows decode: about half a step's worth."""
-        if self.prefill_rate is None or self.step_seconds is None:
+        """Prompt tokens a round of prefill may spend while rows decode: what the credit the steps earned pays
+        for at the last prefill pass's rate, or 0 while that is under :data:`CHUNK_MIN` tokens (a pass that
+        reads every weight for a handful of tokens would cost the running rows more than it moves the prompt)."""
+        if self.prefill_rate is None:
             return _CHUNK_FIRST
-        return int(min(max(self.prefill_rate * self.step_seconds * BUSY_STEP_SHARE, CHUNK_MIN), CHUNK_MAX))
+        n = int(min(self.prefill_credit * self.prefill_rate, CHUNK_MAX))
+        if n >= CHUNK_MIN or self.prefill_credit >= BUSY_CHUNK_S:  # the second: a prefill slower than CHUNK_MIN
+            return max(n, CHUNK_MIN)  # tokens per BUSY_CHUNK_S still moves
+        return 0
 
     def lone_budget(self) -> int | None:
         """Prompt tokens a round of prefill may spend while no row decodes (:data:`LONE_CHUNK_S`); None: all of
@@ -319,14 +333,16 @@ class BatchRun:
             return None
         if self.prefill_rate is None:
             return _LONE_FIRST
-        return int(max(self.prefill_rate * LONE_CHUNK_S, CHUNK_MIN))
+        return int(max(self.prefill_rate * LONE_CHUNK_S, LONE_CHUNK_MIN))
 
     def prefill_pending(self) -> list[Row]:
         """One round of prefill work, to run between two steps. A cancelled row stops prefilling at once. Then the
         queued prompts, the shortest remainder first (the oldest first among equals), get passes until the round's
-        budget is spent: :meth:`busy_budget` while rows decode, else :meth:`lone_budget` (until a row joins). A
-        round runs at least one pass, and no tail chunk under :data:`CHUNK_MIN` tokens after it. A prompt whose
-        prefill completes joins the batch, its first token picked as a single-row generation picks it.
+        budget is spent: :meth:`busy_budget` while rows decode (it may be 0: the steps have not yet paid for a
+        chunk), else :meth:`lone_budget` (until a row joins). A prompt of at most :data:`WHOLE_PROMPT` tokens
+        goes in one pass whatever the budget. No tail chunk under :data:`CHUNK_MIN` tokens runs after another
+        pass of the round. A prompt whose prefill completes joins the batch, its first token picked as a
+        single-row generation picks it.
 
         Returns the rows that ended here: cancelled ones (``finish_reason`` ``"cancelled"``) and failed ones
         (:attr:`Row.error` set; the batch is as it was)."""
@@ -335,22 +351,29 @@ class BatchRun:
             self._unqueue(row)
             row.finish_reason = "cancelled"
             ended.append(row)
+        if not self.rows:
+            self.prefill_credit = 0.0  # credit is earned by steps beside a prefill, from when they start
         spent = 0
         for row in sorted(self.joining, key=lambda row: row.prompt_len - row.prefilled):
             remaining = row.prompt_len - row.prefilled
-            budget = self.busy_budget() if self.rows else self.lone_budget()
+            busy = bool(self.rows)
+            budget = self.busy_budget() if busy else self.lone_budget()
             whole = budget is None or (row.prefilled == 0 and row.prompt_len <= WHOLE_PROMPT)
             n = remaining if whole else min(remaining, budget - spent)
-            if spent and (n <= 0 or n < min(remaining, CHUNK_MIN)):
-                break
+            if n <= 0 or (spent and n < min(remaining, CHUNK_MIN)):
+                continue  # a whole prompt later in the order still goes
             try:
-                if self._prefill(row, n):
-                    self.joining.remove(row)
+                joined = self._prefill(row, n)
             except Exception as err:  # noqa: BLE001 - the joining row's own failure: the batch goes on
                 self._unqueue(row)
                 row._fail(err)
                 ended.append(row)
+                continue
+            if joined:
+                self.joining.remove(row)
             spent += n
+            if busy and not whole:
+                self.prefill_credit -= self._seconds  # what the chunk took, overrun included
         return ended
 
     def _unqueue(self, row: Row) -> None:
@@ -506,8 +529,9 @@ class BatchRun:
         else:
             positions = torch.from_numpy(self.counts[:, None] + np.arange(span)).to(self.device)
             logits = self._forward(feed, span, self.cache, torch.cat([self.kv_mask, feed_mask], dim=1), positions)
-        self.step_seconds = self._seconds if self.step_seconds is None else \
-            _STEP_SMOOTHING * self._seconds + (1 - _STEP_SMOOTHING) * self.step_seconds
+        # A step beside a long prompt's prefill pays for a share of a chunk (busy_budget).
+        self.prefill_credit = min(self.prefill_credit + BUSY_STEP_SHARE * self._seconds, BUSY_CHUNK_S) \
+            if self.joining else 0.0
         drafter.observe(len(rows), span - 1, self._seconds)
 
         accepted = np.zeros(len(rows), dtype=np.int64)

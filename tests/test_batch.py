@@ -481,15 +481,62 @@ def test_a_prompt_within_whole_prompt_joins_in_one_pass_beside_running_rows(tiny
 def test_prefill_budgets_follow_the_measured_rates(tiny_model, monkeypatch):
     run = batch_module.BatchRun(tiny_model, LookupDrafter())
     assert run.busy_budget() == batch_module._CHUNK_FIRST and run.lone_budget() == batch_module._LONE_FIRST
-    run.prefill_rate, run.step_seconds = 1000.0, 0.1  # 1,000 prompt tokens a second; a step takes 100 ms
-    assert run.busy_budget() == int(100 * batch_module.BUSY_STEP_SHARE) == 50  # half a step's worth
+    run.prefill_rate = 1000.0  # 1,000 prompt tokens a second
     assert run.lone_budget() == int(1000 * batch_module.LONE_CHUNK_S)
-    run.step_seconds = 0.001
+    # Beside decoding rows: what the steps' credit pays for, nothing under CHUNK_MIN tokens.
+    run.prefill_credit = 0.0
+    assert run.busy_budget() == 0
+    run.prefill_credit = (batch_module.CHUNK_MIN - 1) / 1000
+    assert run.busy_budget() == 0
+    run.prefill_credit = 0.05
+    assert run.busy_budget() == 50
+    run.prefill_rate = 10.0  # a prefill too slow for CHUNK_MIN tokens within the credit's cap still moves
+    run.prefill_credit = batch_module.BUSY_CHUNK_S
     assert run.busy_budget() == batch_module.CHUNK_MIN
-    run.prefill_rate = 1e9  # an accelerator: one step's worth is more than a round may take, a lone prompt is whole
+    run.prefill_rate = 1e9  # an accelerator: capped per round; a lone prompt is whole
     assert run.busy_budget() == batch_module.CHUNK_MAX and run.lone_budget() > 10 ** 6
     monkeypatch.setattr(batch_module, "LONE_CHUNK_S", None)
     assert run.lone_budget() is None
+
+
+def test_steps_pay_for_the_chunks_beside_them(tiny_model, monkeypatch):
+    # Each step beside a long prefill earns BUSY_STEP_SHARE of its time; a chunk spends what it took. The passes
+    # are real, their times set (a step 10 ms; a chunk 4 ms, the fixed cost of a pass, plus 20 us a token), so the
+    # accounting is exact: the chunks' time is within that share of the steps' (plus one chunk's overrun).
+    monkeypatch.setattr(batch_module.BatchRun, "lone_budget", lambda self: None)
+    long, short = _long_prompt(tiny_model, seed=9, head=40, cont=30), _prompts(tiny_model, count=1, seed=10)[0]
+    drafter = LookupDrafter()
+    run = batch_module.BatchRun(tiny_model, drafter)
+    rows = [_row(tiny_model, drafter, short, 200), _row(tiny_model, drafter, long, 10)]
+    spent = {"step": 0.0, "chunk": 0.0}
+    real_forward = batch_module.BatchRun._forward
+
+    def timed(self, ids, keep, cache, mask=None, positions=None):
+        logits = real_forward(self, ids, keep, cache, mask, positions)
+        chunk = cache is rows[1].prefill_cache
+        self._seconds = 0.004 + 2e-5 * ids.shape[1] if chunk else 0.010
+        if self.rows and rows[1] in self.joining:
+            spent["chunk" if chunk else "step"] += self._seconds
+        return logits
+
+    monkeypatch.setattr(batch_module.BatchRun, "_forward", timed)
+    with torch.inference_mode():
+        run.enqueue(rows[0])
+        run.prefill_pending()
+        run.enqueue(rows[1])
+        credits, chunks = [], 0
+        while rows[1] in run.joining and run.rows:
+            credits.append(run.prefill_credit)
+            before = rows[1].prefilled
+            run.prefill_pending()
+            chunks += rows[1].prefilled > before
+            run.step()
+        assert rows[1] not in run.joining, "the long prompt joins while the short row decodes"
+        _drive(run)
+    assert chunks >= 3 and 0 < max(credits) <= batch_module.BUSY_CHUNK_S
+    assert spent["chunk"] <= batch_module.BUSY_STEP_SHARE * spent["step"] + 0.002
+    for row, prompt, n in zip(rows, (short, long), (200, 10)):
+        assert row.tokens.tolist() == _singles(tiny_model, [prompt], n)[0]
 
 
 def test_a_cancelled_row_stops_prefilling_at_once(tiny_model, monkeypatch):
@@ -542,8 +589,9 @@ def test_a_join_that_fails_half_way_leaves_the_batch_as_it_was(tiny_model, monke
         _same_state(_state(run), before)
         assert rows[2].prefill_cache is None and rows[2].prefilled == 0
         run.enqueue(rows[3])  # the server's way: the row ends with its error, the batch is as it was
+        _budgets(monkeypatch, lone=None, busy=24)  # a chunk per round, no credit to earn: no step meanwhile
         ended = []
-        while run.joining:  # a chunk per round (no step meanwhile, to compare the state)
+        while run.joining:  # (to compare the state)
             ended += run.prefill_pending()
         assert ended == [rows[3]]
         assert isinstance(rows[3].error, AttributeError) and rows[3].finish_reason == "error"
@@ -614,11 +662,12 @@ def test_a_rows_failure_ends_that_row_only(tiny_factory, fault):
                 row.prompt = row.prompt.clone()
                 row.prompt[0, -1] = 10 ** 6  # no such token: the prefill's embedding lookup fails
                 run.enqueue(row)
-                ended += run.prefill_pending()
             else:
                 run.join(row)
-        while run.rows:
-            ended += run.step()
+        while run.rows or run.joining:  # the server's turns: a round of prefill, then a step
+            ended += run.prefill_pending()
+            if run.rows:
+                ended += run.step()
             assert all(row.error is None for row in run.rows)
     assert sorted(map(id, ended)) == sorted(map(id, rows))
     assert bad.finish_reason == "error" and bad.error is not None

@@ -6,8 +6,9 @@ sampled row draws its token at output position ``t`` at a uniform fixed by ``(se
 (:func:`lookupdec.verify.verify_keyed`), so a seed gives one output whatever else runs.
 
 Each turn of the engine's loop takes waiting requests into the batch's prefill queue, runs one round of prefill
-work (a long prompt is prefilled in chunks, about one decoding step's worth per turn, so it delays the running
-requests by about a step per step: :meth:`~lookupdec.batch.BatchRun.prefill_pending`), then one decoding step.
+work (a long prompt is prefilled in chunks paid for by the decoding steps, a quarter of their time, so it slows
+the running requests by about a quarter: :meth:`~lookupdec.batch.BatchRun.prefill_pending`), then one decoding
+step.
 A failure that belongs to one request (its prefill, its verification, its drafting, its callback) ends that
 request with a 500 and the others go on; only a failed forward pass of the whole batch ends every running request.
 
