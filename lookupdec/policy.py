@@ -282,3 +282,100 @@ def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], *, margin
         if gain > best_gain:
             best_d, best_gain = d, gain
     return best_d
+
+
+class TokenCost:
+    """A pass's wall time against the tokens it schedules, for engines that pay per token rather than per padded
+    batch width (vLLM flattens a batch into one sequence of tokens): ``time = base + per_token * tokens``.
+
+    Fitted by exponentially forgotten least squares on the passes actually run (:meth:`observe`); a pass's tokens
+    are its rows' last tokens, their drafts and any prefill chunk scheduled beside them. Until the passes have
+    spread over enough different token counts to fit a slope, a prior stands in for it: a token costs
+    :attr:`PRIOR_SHARE` of the fixed part (on this project's CPU vLLM runs SmolLM2-135M at about 65 ms for one
+    token and 95 ms for four, a share of 0.18; an accelerator's is far lower, and the fit finds it within a few
+    dozen passes of a copy-heavy request). Only the ratio of the two parts prices a draft."""
+
+    PRIOR_SHARE = 0.1
+    _KEEP = 0.98  # forgetting per observation: a few hundred passes, so the fit follows the machine's load
+    _MIN_SPREAD = 4.0  # variance of the token counts seen before the slope is fitted rather than assumed
+
+    def __init__(self, prior_share: float = PRIOR_SHARE):
+        self.prior_share = prior_share
+        self._sums = np.zeros(5)  # weight, sum n, sum t, sum n*n, sum n*t
+        self._lock = threading.Lock()
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        n, t = float(tokens), float(seconds)
+        if not (n >= 1 and np.isfinite(t) and t > 0):
+            return
+        with self._lock:
+            self._sums *= self._KEEP
+            self._sums += (1.0, n, t, n * n, n * t)
+
+    @property
+    def weight(self) -> float:
+        """How many passes the fit stands on (forgotten ones count less)."""
+        return float(self._sums[0])
+
+    def line(self) -> tuple:
+        """``(base, per_token)`` in seconds; ``(1.0, prior_share)`` before any pass was seen (only their ratio
+        prices drafts)."""
+        with self._lock:
+            w, sn, st, snn, snt = self._sums
+        if w < 2:
+            return 1.0, self.prior_share
+        mean_n, mean_t = sn / w, st / w
+        var = snn / w - mean_n ** 2
+        if var >= self._MIN_SPREAD and w >= 4:
+            per_token = max((snt / w - mean_n * mean_t) / var, 0.0)
+            base = mean_t - per_token * mean_n
+            if base > 0:
+                return base, per_token
+        base = mean_t / (1.0 + self.prior_share * mean_n)  # the slope assumed, the level measured
+        return base, self.prior_share * base
+
+
+def token_lengths(offers: Sequence[Offer], base: float, per_token: float, *, others: int = 0,
+                  margin: float = 0.02, slowdown: float = float("inf")) -> list:
+    """Per-row draft lengths for a pass that costs ``base + per_token * tokens`` (:class:`TokenCost`), where
+    each row schedules its last token plus its draft, and ``others`` more tokens (prefill) ride along: the
+    lengths with the most expected tokens per second, or all zeros if drafting beats a plain pass by no more
+    than ``margin``.
+
+    Rows are priced apart, unlike :func:`best_batch_length`'s one padded width: a drafted token costs
+    ``per_token`` whichever row it is in, and the ``d``-th token of a row is worth its chance of being accepted
+    (``first * then ** (d - 1)``). Those chances fall along each row, so taking drafted tokens in falling order of
+    worth, while the next one's worth exceeds the running tokens-per-second times its cost, gives the best set
+    (each row's share a prefix of its offer). ``slowdown`` bounds what a row without drafts pays for the others':
+    the pass may take at most ``1 + slowdown`` times a plain one."""
+    rows = len(offers)
+    lengths = [0] * rows
+    if rows == 0 or per_token <= 0 and base <= 0:
+        return lengths
+    plain_time = base + per_token * (rows + others)
+    worth, owner = [], []
+    for row, offer in enumerate(offers):
+        reach = offer.first
+        for _ in range(offer.tokens.size):
+            worth.append(reach)
+            owner.append(row)
+            reach *= offer.then
+    if not worth:
+        return lengths
+    order = np.argsort(-np.asarray(worth), kind="stable")  # stable: a row's tokens stay in their order
+    cap = slowdown * plain_time / per_token if per_token > 0 else float("inf")
+    expected, time, taken, best = float(rows), plain_time, 0, (float(rows) / plain_time, 0)
+    for k, item in enumerate(order, start=1):
+        if k > cap:
+            break
+        expected += worth[item]
+        time += per_token
+        if expected / time > best[0]:
+            best = (expected / time, k)
+        elif worth[item] * time < per_token * expected:  # worth falls from here: no longer prefix pays more
+            break
+    if best[0] <= (1.0 + margin) * rows / plain_time:
+        return lengths
+    for item in order[: best[1]]:
+        lengths[owner[item]] += 1
+    return lengths

@@ -1,0 +1,309 @@
+"""lookupdec's vLLM proposer without vLLM: its bookkeeping across steps, driven as vLLM's model runner drives it.
+
+A small driver plays vLLM's part (:class:`_Engine`): rows in a token array, ``propose`` after every step with each
+row's newly sampled tokens, greedy verification of each draft (the longest agreeing prefix plus the target's own
+token), rows that move, leave, are preempted and are replaced. The runner view the proposer reads is a fake with
+the same methods as :class:`lookupdec.vllm._internals.RunnerView`. What vLLM itself does with the drafts is tested
+on vLLM in ``tests/test_vllm.py``.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_exactness import _plain, _prompts
+
+from lookupdec.drafter import Drafter, DrafterConfig
+from lookupdec.vllm import _internals
+from lookupdec.vllm import proposer as proposer_module
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm(monkeypatch):
+    monkeypatch.setattr(_internals, "check_version", lambda: None)
+    monkeypatch.setattr(_internals, "bind_runner", lambda: None)
+
+
+class _View:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def req_ids(self):
+        return list(self.engine.rows)
+
+    def live(self):
+        return set(self.engine.requests)
+
+    def scheduled_tokens(self):
+        return self.engine.scheduled
+
+    def request(self, req_id):
+        r = self.engine.requests[req_id]
+        return _internals.RequestInfo(req_id, r["prompt_len"], frozenset({1}), r.get("sampling_max", r["max_tokens"]),
+                                      r["prediction"])
+
+
+class _Engine:
+    """vLLM's part, greedy: ``rows[i]`` is the request id in row i (None: an empty row)."""
+
+    def __init__(self, model, k=8, drafter=None, max_len=512):
+        self.model = model
+        config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                                 model_config=SimpleNamespace(max_model_len=max_len))
+        self.proposer = proposer_module.LookupProposer(config, drafter=drafter)
+        self.tokens = np.zeros((4, max_len), dtype=np.int64)  # token_ids_cpu
+        self.counts = np.zeros(4, dtype=np.int64)  # num_tokens_no_spec
+        self.rows: list = []
+        self.requests: dict = {}
+        self.drafts: dict = {}
+        self.scheduled = 0
+        self.drafted = self.accepted = 0
+
+    def add(self, req_id, prompt, max_tokens, prediction=None):
+        self.requests[req_id] = {"prompt": prompt, "prompt_len": len(prompt), "max_tokens": max_tokens,
+                                 "out": [], "prediction": prediction}
+        self.rows.append(req_id)
+
+    def _row_tokens(self, req_id):
+        r = self.requests[req_id]
+        return r["prompt"] + r["out"]
+
+    def step(self):
+        """One step: verify each row's pending draft greedily, then ``propose``."""
+        sampled = []
+        self.scheduled = 0
+        for req_id in self.rows:
+            r = self.requests[req_id]
+            context = self._row_tokens(req_id)
+            draft = self.drafts.pop(req_id, [])
+            self.scheduled += 1 + len(draft)
+            ids = torch.tensor([context + draft])
+            with torch.inference_mode():
+                logits = self.model(ids).logits[0, len(context) - 1:]
+            picks = logits.argmax(-1).tolist()
+            new = []
+            for pos, token in enumerate(draft):
+                if picks[pos] != token:
+                    break
+                new.append(token)
+            new.append(picks[len(new)])
+            self.drafted += len(draft)
+            self.accepted += len(new) - 1
+            room = r["max_tokens"] - len(r["out"])
+            new = new[:room]
+            if 1 in new:
+                new = new[: new.index(1) + 1]
+            r["out"] += new
+            sampled.append(new)
+        for row, req_id in enumerate(self.rows):
+            context = self._row_tokens(req_id)
+            self.tokens[row, : len(context)] = context
+            self.counts[row] = len(context)
+        drafts = self.proposer.propose(sampled, self.counts[: len(self.rows)].copy(), self.tokens)
+        for req_id, draft in zip(self.rows, drafts):
+            self.drafts[req_id] = list(draft)
+        done = [req_id for req_id in self.rows if self._done(req_id)]
+        for req_id in done:  # vLLM drops finished requests before its next step
+            self.rows.remove(req_id)
+            self.drafts.pop(req_id, None)
+            del self.requests[req_id]
+        return done
+
+    def _done(self, req_id):
+        r = self.requests[req_id]
+        return len(r["out"]) >= r["max_tokens"] or (r["out"] and r["out"][-1] == 1)
+
+    def bind(self):
+        self.proposer.bind(_View(self))
+
+
+def _greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    return _plain(model, ids, max_new_tokens=n)[0, len(prompt):].tolist()
+
+
+def _drive(engine, schedule=None, steps=500):
+    """Steps until no row is left; ``schedule(engine, step)`` may add, move or preempt rows before a step.
+    Returns each request's output."""
+    outputs = {}
+    for step in range(steps):
+        if schedule:
+            schedule(engine, step)
+        if not engine.rows:
+            break
+        engine.bind()
+        before = {req_id: engine.requests[req_id]["out"] for req_id in engine.rows}
+        for req_id in engine.step():
+            outputs[req_id] = before[req_id]
+    return outputs
+
+
+def test_rows_that_move_leave_and_join_keep_greedy_output(tiny_model):
+    # Three requests, one joining late into the row another left, rows swapped mid-way: every output is plain
+    # greedy decoding's, and drafts were accepted (the prompts copy).
+    prompts = [p[0].tolist() for p in _prompts(tiny_model, count=3, seed=31)]
+    engine = _Engine(tiny_model)
+    engine.add("a", prompts[0], 40)
+    engine.add("b", prompts[1], 12)
+
+    def schedule(engine, step):
+        if step == 3 and len(engine.rows) == 2:
+            engine.rows.reverse()  # vLLM condenses and reorders its batch
+        if step == 6:
+            engine.add("c", prompts[2], 30)
+
+    outputs = _drive(engine, schedule)
+    assert set(outputs) == {"a", "b", "c"}
+    for req_id, prompt, n in (("a", prompts[0], 40), ("b", prompts[1], 12), ("c", prompts[2], 30)):
+        assert outputs[req_id] == _greedy(tiny_model, prompt, n), req_id
+    # b (12 tokens) finished long before the others: its session ended at the proposer's next call.
+    assert engine.accepted > 0 and "b" not in engine.proposer._requests
+
+
+def test_a_preempted_request_keeps_its_session(tiny_model):
+    prompts = [p[0].tolist() for p in _prompts(tiny_model, count=2, seed=32)]
+    engine = _Engine(tiny_model)
+    engine.add("a", prompts[0], 40)
+    engine.add("b", prompts[1], 40)
+    sessions = {}
+
+    def schedule(engine, step):
+        if step == 2:
+            sessions["a"] = engine.proposer._requests["a"].session
+            engine.rows.remove("a")  # preempted: vLLM keeps the request, not its row or its draft
+            engine.drafts.pop("a", None)
+        if step == 5:
+            engine.rows.insert(0, "a")  # resumed where it was
+        if step == 7 and "a" in engine.requests:
+            sessions["after"] = engine.proposer._requests["a"].session
+
+    outputs = _drive(engine, schedule)
+    for req_id, prompt in zip("ab", prompts):
+        assert outputs[req_id] == _greedy(tiny_model, prompt, 40), req_id
+    assert sessions["after"] is sessions["a"]
+
+
+@pytest.mark.parametrize("room", ["budget", "context"])
+def test_drafts_stay_within_the_request_budget_and_the_model_length(tiny_model, room):
+    prompt = _prompts(tiny_model, count=1, seed=33)[0][0].tolist()
+    budget, max_len = (6, 512) if room == "budget" else (60, len(prompt) + 10)
+    engine = _Engine(tiny_model, k=16, max_len=max_len)
+    engine.add("a", prompt, budget)
+    seen = []
+    real = engine.proposer.propose
+
+    def spy(sampled, counts, tokens, slot_mappings=None):
+        drafts = real(sampled, counts, tokens, slot_mappings)
+        n = int(counts[0])
+        seen.append((len(drafts[0]), budget - (n - len(prompt)), max_len - n))
+        return drafts
+
+    engine.proposer.propose = spy
+    if room == "context":  # no max_tokens in the request; vLLM stops it at the model length
+        engine.requests["a"].update(max_tokens=max_len - len(prompt), sampling_max=None)
+    outputs = _drive(engine)
+    assert outputs["a"] == _greedy(tiny_model, prompt, min(budget, max_len - len(prompt)))
+    # A draft leaves room for the target's own token: it never reaches the budget or the model length.
+    assert all(d <= max(left - 1, 0) and d <= max(space - 1, 0) for d, left, space in seen)
+    assert any(d > 0 for d, _, _ in seen)
+
+
+def test_a_prediction_is_drafted_from(tiny_model):
+    # The request's prediction (vllm_xargs) is a reference of its own: a prompt with nothing to copy, the index's
+    # and the cache's drafts off the table, and the model's own answer as the prediction: drafts come from it and
+    # are accepted.
+    prompt = torch.randint(3, tiny_model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    prompt = prompt.tolist()
+    expected = _greedy(tiny_model, prompt, 30)
+    drafter = Drafter(DrafterConfig(max_draft=8, use_cache=False, calibrate=False))
+    engine = _Engine(tiny_model, drafter=drafter)
+    engine.add("a", prompt, 30, prediction=expected)
+    outputs = _drive(engine)
+    assert outputs["a"] == expected
+    assert engine.accepted >= 10
+
+
+def test_no_runner_no_drafts(tiny_model):
+    # Without the runner's view (an untested vLLM runner) the proposer drafts nothing rather than guess rows.
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=8),
+                             model_config=SimpleNamespace(max_model_len=512))
+    proposer = proposer_module.LookupProposer(config)
+    tokens = np.tile(np.arange(50), (2, 4))
+    assert proposer.propose([[3], [4]], np.array([100, 100]), tokens) == [[], []]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pricing per token (lookupdec.policy.token_lengths, TokenCost), against a brute force over every length choice
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from lookupdec.policy import Offer, TokenCost, token_lengths  # noqa: E402
+
+
+def _brute(offers, base, per_token, others, margin, slowdown):
+    """Best tokens-per-second over every tuple of lengths (each row a prefix of its offer), or None where no
+    drafting beats a plain pass by more than ``margin``: the slow reference of token_lengths."""
+    import itertools
+
+    rows = len(offers)
+    plain = base + per_token * (rows + others)
+    cap = slowdown * plain / per_token
+    best = None
+    for lengths in itertools.product(*(range(o.tokens.size + 1) for o in offers)):
+        if sum(lengths) > cap:
+            continue
+        expected = rows + sum(o.first * sum(o.then ** d for d in range(k)) for o, k in zip(offers, lengths))
+        ratio = expected / (plain + per_token * sum(lengths))
+        if best is None or ratio > best:
+            best = ratio
+    return best if best > (1 + margin) * rows / plain else None
+
+
+offer_strategy = st.builds(lambda n, first, then: Offer(np.zeros(n, dtype=np.int32), first, then),
+                           st.integers(0, 4), st.floats(0.0, 1.0), st.floats(0.0, 0.99))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(offer_strategy, min_size=1, max_size=3), st.floats(0.01, 1.0), st.floats(0.001, 0.5),
+       st.integers(0, 3), st.sampled_from([0.02, 0.0]), st.sampled_from([0.2, 1.0, float("inf")]))
+def test_token_lengths_match_a_brute_force(offers, base, per_token, others, margin, slowdown):
+    lengths = token_lengths(offers, base, per_token, others=others, margin=margin, slowdown=slowdown)
+    assert all(0 <= k <= o.tokens.size for k, o in zip(lengths, offers))
+    best = _brute(offers, base, per_token, others, margin, slowdown)
+    if best is None:
+        assert lengths == [0] * len(offers)
+        return
+    rows = len(offers)
+    expected = rows + sum(o.first * sum(o.then ** d for d in range(k)) for o, k in zip(offers, lengths))
+    ratio = expected / (base + per_token * (rows + others + sum(lengths)))
+    assert ratio == pytest.approx(best, rel=1e-9)
+
+
+def test_token_lengths_price_what_rows_share():
+    sure = Offer(np.zeros(16, dtype=np.int32), 0.95, 0.95)
+    # A token costing 18% of a pass's fixed part (vLLM on this CPU): a sure copy drafts far, an unlikely one not.
+    assert token_lengths([sure], 1.0, 0.18)[0] >= 8
+    assert token_lengths([Offer(np.zeros(16, dtype=np.int32), 0.1, 0.5)], 1.0, 0.18) == [0]
+    # Nearly free tokens (an accelerator): every offered token of the sure copy.
+    assert token_lengths([sure], 1.0, 0.001) == [16]
+    # Beside a row that drafts nothing, the 20% bound caps the pass at 1.2 plain ones.
+    lengths = token_lengths([sure, Offer(np.zeros(0, dtype=np.int32), 0.0, 0.0)], 1.0, 0.05, slowdown=0.2)
+    assert lengths[1] == 0 and 0 < lengths[0] <= 0.2 * 1.1 / 0.05
+
+
+def test_token_cost_fits_the_line_and_assumes_the_slope_until_it_can_fit_one():
+    cost = TokenCost()
+    assert cost.line() == (1.0, TokenCost.PRIOR_SHARE)
+    for _ in range(5):
+        cost.observe(1, 0.06)
+    base, per_token = cost.line()  # one token count only: the level measured, the slope assumed
+    assert base + per_token == pytest.approx(0.06) and per_token == pytest.approx(TokenCost.PRIOR_SHARE * base)
+    for n in (1, 5, 9, 17, 3, 12) * 3:
+        cost.observe(n, 0.055 + 0.01 * n)
+    base, per_token = cost.line()
+    assert base == pytest.approx(0.055, rel=0.05) and per_token == pytest.approx(0.01, rel=0.05)
+    cost.observe(0, 1.0)
+    cost.observe(3, float("nan"))  # neither is a pass: ignored
+    assert cost.line() == (base, per_token)
