@@ -171,6 +171,24 @@ def load_model(
     return model.to(device), tokenizer
 
 
+def model_folder(name: str | None = None, *, progress: bool = False) -> str:
+    """A transformers model folder (or hub id) holding `name`, for engines that load weights themselves (vLLM):
+    the embedded models and `.gguf` files are converted once into the cache, as :func:`load_model` does (the
+    conversion loads the model once, on the CPU); a folder or hub id is returned as given. Raises ModelLoadError."""
+    name = DEFAULT_MODEL if name is None else os.fspath(name)
+    gguf = _NAMED[name]() if name in _NAMED else Path(name).expanduser() if name.lower().endswith(".gguf") else None
+    if gguf is None:
+        return name
+    if not gguf.is_file():
+        raise ModelLoadError(f"cannot load model {name!r}: no such file")
+    folder = cache_dir() / "models" / _sha256_prefix(gguf)
+    if not (folder / "config.json").is_file():
+        del _load_gguf(gguf, torch.float32, progress)[0]
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"cannot convert {name!r} into {folder}: the cache folder is not writable")
+    return str(folder)
+
+
 def _load(name: str | None, dtype: torch.dtype, progress: bool):
     name = DEFAULT_MODEL if name is None else os.fspath(name)
     if name in _NAMED:

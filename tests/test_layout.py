@@ -63,6 +63,10 @@ def test_imports_have_no_cycle():
     ("lookupdec.policy", "lookupdec.drafter"), ("lookupdec.loop", "lookupdec.reformat.engine"),
     ("lookupdec.batch", "lookupdec.serve.engine"), ("lookupdec.serve.protocol", "lookupdec.serve.engine"),
     ("lookupdec.serve.engine", "lookupdec.serve.app"),
+    # The vLLM room rides on the drafter and the server's wire format, never on our own engine.
+    ("lookupdec.vllm.proposer", "lookupdec.batch"), ("lookupdec.vllm.proposer", "lookupdec.loop"),
+    ("lookupdec.vllm.proposer", "lookupdec._transformers"), ("lookupdec.vllm.middleware", "lookupdec._transformers"),
+    ("lookupdec.vllm.middleware", "lookupdec.serve.app"), ("lookupdec.drafter", "lookupdec.vllm.proposer"),
 ])
 def test_lower_layers_do_not_import_higher_ones(low, high):
     graph = _imports()
@@ -79,6 +83,15 @@ def test_lower_layers_do_not_import_higher_ones(low, high):
 def test_the_drafting_core_imports_neither_torch_nor_transformers():
     code = ("import sys, lookupdec.drafter, lookupdec.policy, lookupdec.cache, lookupdec.index; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_vllm_room_loads_without_torch_transformers_or_vllm():
+    # vLLM imports the proposer in its worker and the middleware in its server; neither pulls more than it needs
+    # (vLLM itself and transformers' tokenizer are imported when used).
+    code = ("import sys, lookupdec.vllm.proposer, lookupdec.vllm.middleware; "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

