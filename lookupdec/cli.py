@@ -148,10 +148,15 @@ Exit codes:
   0    stopped by SIGTERM or Ctrl-C: requests in flight finished (or, past
        --drain-timeout, answered with a 503), cache saved
   2    usage error, or a model or extra that cannot be loaded
+  With --engine vllm, vLLM's own exit code once it has started.
 """
 
 
 @main.command(epilog=SERVE_EXIT_HELP)
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers", show_default=True,
+              help="transformers: lookupdec's own batch loop (no other dependency). vllm: vLLM's OpenAI server with "
+                   "lookupdec's proposer and Predicted Outputs (needs vLLM installed; arguments after -- go to "
+                   "vLLM; see docs/vllm.md).")
 @click.option("--model", "model_name", metavar="NAME_OR_PATH", default=None,
               help="Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct (offline). "
                    "Requests name it by this value (default: smollm2).")
@@ -174,8 +179,9 @@ Exit codes:
                    "answered with a 503 (a stream: an error event, then [DONE]).")
 @click.option("--no-calibrate", is_flag=True, help="Skip measuring the pass cost at startup (once per machine, "
               "cached); the drafter then fits a straight line as it goes.")
-def serve(model_name, host, port, max_batch, max_queue, cache_path, api_key, device, dtype, drain_timeout,
-          no_calibrate):
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
+def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_key, device, dtype, drain_timeout,
+          no_calibrate, vllm_args):
     """Serve the model over OpenAI's API (chat and completions, streaming), honouring Predicted Outputs.
 
     \b
@@ -183,6 +189,16 @@ def serve(model_name, host, port, max_batch, max_queue, cache_path, api_key, dev
       lookupdec serve
       lookupdec serve --port 8080 --max-batch 16 --cache ~/.cache/lookupdec/serve-cache.json
     """
+    if engine == "vllm":
+        _serve_vllm(model_name, host, port, max_batch, api_key, dtype, vllm_args,
+                    not_applicable={"--max-queue": max_queue != 64, "--cache": cache_path is not None,
+                                    "--device": device != "auto", "--drain-timeout": drain_timeout != 30.0,
+                                    "--no-calibrate": no_calibrate})
+        return
+    if vllm_args:
+        click.echo(f"error: unexpected arguments {' '.join(vllm_args)!r} (arguments after -- are vLLM's, for "
+                   "--engine vllm)", err=True)
+        raise click.exceptions.Exit(2)
     from .serve.run import ServeError, ServeOptions, serve as run_server
 
     options = ServeOptions(model=model_name, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
@@ -193,6 +209,25 @@ def serve(model_name, host, port, max_batch, max_queue, cache_path, api_key, dev
     except ServeError as err:
         click.echo(f"error: {err}", err=True)
         raise click.exceptions.Exit(2) from None
+
+
+def _serve_vllm(model_name, host, port, max_batch, api_key, dtype, vllm_args, not_applicable) -> None:
+    given = [name for name, is_set in not_applicable.items() if is_set]
+    if given:
+        click.echo(f"error: {', '.join(given)} apply to --engine transformers only; vLLM's own settings go after "
+                   "-- (docs/vllm.md)", err=True)
+        raise click.exceptions.Exit(2)
+    from .vllm.launch import LaunchError, VllmOptions, run
+
+    api_key = api_key or os.environ.get("LOOKUPDEC_API_KEY") or None
+    options = VllmOptions(model=model_name, host=host, port=port, max_batch=max_batch, api_key=api_key,
+                          dtype=dtype, extra=list(vllm_args))
+    try:
+        code = run(options, say=lambda line: click.echo(line, err=True))
+    except LaunchError as err:
+        click.echo(f"error: {err}", err=True)
+        raise click.exceptions.Exit(2) from None
+    raise click.exceptions.Exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

