@@ -1,4 +1,4 @@
-"""A prepared one-shot check on one GPU: exactness there, speed on the quick prompts, and verification cost curves.
+"""A prepared one-shot check on one GPU: exactness there, speed on the quick prompts, verification cost curves, vLLM.
 
 Sized to finish in under 8 minutes on one H200 with no network; CI runs it on a CPU in a tiny ``--dry-run`` so it
 cannot rot (``tests/test_device_check.py``). Stages, the most valuable first, so that a run cut short still leaves
@@ -20,6 +20,22 @@ them (``device_check.json`` and ``device_check.md`` are rewritten after every st
    (``STATISTICAL_TESTS``: three quarters of the time): a greedy comparison may fail at a near-tie, since a pass of
    one token and a pass of many round differently (tests/test_precision.py is about that). Which tests fail can
    change from run to run: the measured pass cost decides the draft lengths, and with them the rounding.
+5. ``vllm``: lookupdec's vLLM proposer (``lookupdec.vllm.proposer.LookupProposer``, 16 speculative tokens) against
+   plain vLLM on three requests of its own (a YAML edit and a code edit, each with its file as the prediction, and
+   an open-ended prompt; 96 tokens each), through tests/vllm_offline.py (fp32, eager): each request alone and the
+   three in one batch, per request whether lookupdec's token ids are plain's, where they first differ and plain's
+   top-2 logprob gap there (vLLM promises losslessness "up to precision limits": a verifying pass and a one-token
+   step may round differently at a near-tie), the drafted and accepted tokens and both runs' seconds. Each engine
+   runs in a process of its own (vLLM's engine does not shut down cleanly inside one). Last, as the least certain:
+   it needs vLLM in the image (a version lookupdec supports: ``lookupdec.vllm._internals.check_version``) and a
+   CUDA device, and skips itself with the reason otherwise (the CPU dry run always skips it; tests/test_vllm.py
+   runs vLLM's CPU build in its own environment). On a GPU vLLM runs a custom proposer on its V1 model runner (it
+   logs that Model Runner V2 does not support it yet). Its model: ``--model`` (the carried .gguf, converted into a
+   folder by ``lookupdec.models.model_folder``, as the speed stage uses it), else the embedded model if installed,
+   else random weights with SmolLM2-135M's shapes saved with a byte-level tokenizer built here (256 byte tokens,
+   ChatML's specials and a ChatML chat template: no download), whose answers are noise but still must be plain
+   vLLM's. vLLM's process gets the image's transformers: ``run``'s carried transformers (for lookupdec's own
+   loop, which vLLM's pin may not admit) is left off its path.
 
 What a GPU image may lack, and how to bring it (the machine has no network; a call carries at most 64 MiB):
 
@@ -54,13 +70,23 @@ interleaved rounds, at least 2 and more while they fit in ~3 s (``--curve-budget
 for the 7B model (its weights read at ~4 TB/s: 4 ms; 129 tokens of it: 2 TFLOP, 3 ms at ~700 TFLOP/s): about a
 minute for the four. Speed: a plain step of a 30-layer 135M model in eager PyTorch is bound by ~1000 kernel
 launches, about 10-15 ms, so 128 greedy tokens take ~1.5-2 s; 10 prompts x 3 systems at batch 1 and 3 batches of 2
-systems with warm-ups: about 1 minute. With the wheels' install and the imports (~30 s), about 4-5 minutes;
+systems with warm-ups: about 1 minute. vLLM: two engine starts with a 135M model in eager mode, estimated at 1-2
+minutes each with the generations (an estimate: vLLM has not run on a GPU here), and ~10 s to import vLLM and check
+its version; the stage runs only with at least 120 s of the budget left, and each engine's process is killed at
+the budget's end. With the wheels' install and the imports (~30 s), about 4-5 minutes without vLLM and 6-8 with it;
 ``--budget-s`` (450) skips or cuts short what would run past it, and the stage timeouts keep the whole under 8
-minutes. Examples:: python -m benchmarks.device_check --dry-run --out /tmp/dc # CPU, tiny configs, well under a
-minute (CI) python -m benchmarks.device_check --out $OUT # the full check (on a GPU: cuda, bf16) python -m
-benchmarks.device_check --out $OUT --stages curves # only the cost curves python -m benchmarks.device_check --out
-$OUT --model /tmp/lookupdec-carry/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/device_check.sh prepare # here:
-wheels and data to carry bash benchmarks/device_check.sh run --out $OUT # there: install the wheels, run the check
+minutes. The four first stages leave vLLM about 2-3 minutes of the 450 s, which may not be enough: it can run alone
+in a call of its own (``--stages vllm``, with the wheels and, to check a real model, the carried .gguf).
+
+Examples::
+
+    python -m benchmarks.device_check --dry-run --out /tmp/dc   # CPU, tiny configs, well under a minute (CI)
+    python -m benchmarks.device_check --out $OUT                # the full check (on a GPU: cuda, bf16)
+    python -m benchmarks.device_check --out $OUT --stages curves    # only the cost curves
+    python -m benchmarks.device_check --out $OUT --model /tmp/lookupdec-carry/SmolLM2-135M-Instruct.Q4_1.gguf
+    bash benchmarks/device_check.sh prepare                     # here: wheels and data to carry
+    bash benchmarks/device_check.sh run --out $OUT              # there: install the wheels, run the check
+    bash benchmarks/device_check.sh run --out $OUT --stages vllm    # there: only lookupdec on vLLM
 """
 
 from __future__ import annotations
@@ -83,13 +109,46 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXACTNESS_TESTS = ("tests/test_exactness.py", "tests/test_batch.py", "tests/test_sampling.py")
-STAGES = ("exact32", "curves", "speed", "exact16")
+STAGES = ("exact32", "curves", "speed", "exact16", "vllm")
 SYSTEMS = ("greedy", "pld", "lookupdec")
 # The sampling tests that compare thousands of samples: most of the exactness tests' time.
 STATISTICAL_TESTS = ("test_sampled_generations_match_plain_sampling", "test_wrong_rule_is_caught_end_to_end",
                      "test_assistant_route_sampling_matches_plain",
                      "test_batched_sampling_follows_each_rows_distribution")
 CURVE_POINTS = (1, 2, 4, 8, 16, 32, 64, 128)  # the draft lengths the Markdown table shows
+
+# The vllm stage's requests: two edits that copy most of their file (with the file as the prediction: drafts to
+# accept) and an open-ended prompt (little to copy: the proposer should mostly stay out of the way).
+VLLM_YAML = """services:
+  web:
+    image: nginx:1.25
+    ports:
+      - "8080:80"
+    restart: always
+  db:
+    image: postgres:16
+    environment:
+      POSTGRES_DB: app
+      POSTGRES_USER: app
+"""
+VLLM_CODE = """def mean(values):
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+"""
+VLLM_REQUESTS = {
+    "yaml-edit": {"messages": [{"role": "user", "content": "Change the web image to nginx:1.27. Reply with the whole "
+                                                           "file only.\n\n" + VLLM_YAML}],
+                  "prediction": VLLM_YAML, "max_tokens": 96},
+    "code-edit": {"messages": [{"role": "user", "content": "Rename the function mean to average. Reply with the code "
+                                                           "only.\n\n" + VLLM_CODE}],
+                  "prediction": VLLM_CODE, "max_tokens": 96},
+    "open": {"messages": [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}],
+             "max_tokens": 96},
+}
+VLLM_SPEC = {"method": "custom_class", "model": "lookupdec.vllm.proposer.LookupProposer", "num_speculative_tokens": 16}
+VLLM_MIN_S = 120.0  # the vllm stage starts only with this much of the budget left: two engine starts
 
 # Random-weight models: the shapes of public config.json files (no download). Special ids 0-2 are never fed (the
 # byte encoding starts at 3), and EOS is one a random model almost never picks, so generations run to the budget.
@@ -139,6 +198,7 @@ class Plan:
     # speed stage stops within reserve_speed of it, so the bf16 tests still get their turn.
     reserve_curves: float
     reserve_speed: float
+    vllm_timeout_s: float  # per vLLM engine process (start, both passes, shutdown), within what the budget leaves
 
     @staticmethod
     def make(dry_run: bool, batches=None) -> Plan:
@@ -146,12 +206,12 @@ class Plan:
             tests = ("(test_generate_matches_greedy or test_matches_plain_batched_generate) and llama or "
                      "test_verifier_is_seeded")
             return Plan(True, 8, 0.2, 12, 1, ("yaml", "open"), tuple(batches or (1, 4)), tests, tests, 120.0,
-                        30.0, 15.0)
+                        30.0, 15.0, 60.0)
         # bf16 leaves out the statistical sampling tests: bf16's question is whether greedy comparisons flip at
         # near-ties, and those tests take three quarters of the time (about 90 s on a CPU).
         return Plan(False, 128, 3.0, 128, 2, ("yaml", "code", "summary", "qa", "open"),
                     tuple(batches or (1, 4, 16, 32)), None, "not (" + " or ".join(STATISTICAL_TESTS) + ")", 200.0,
-                    160.0, 70.0)
+                    160.0, 70.0, 240.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -497,6 +557,285 @@ def _batch_one(singles: list) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Stage 5: lookupdec's vLLM proposer against plain vLLM
+
+NEAR_TIE = 1e-3  # nats: tests/test_vllm.py's bound for a difference that is vLLM's rounding, not a wrong draft
+
+# Run in vLLM's environment (the image's transformers, not the carried one): is vLLM there, and one lookupdec
+# supports? An import that fails is a reason to skip, recorded; so is an unsupported version.
+_VLLM_PROBE = """
+import json
+out = {}
+try:
+    import vllm
+    import torch
+    import transformers
+    out.update(vllm=str(getattr(vllm, "__version__", "?")), torch=torch.__version__,
+               transformers=transformers.__version__)
+except Exception as err:
+    out["import_error"] = f"{type(err).__name__}: {err}"[:500]
+else:
+    from lookupdec.vllm._internals import check_version
+    try:
+        check_version()
+    except RuntimeError as err:
+        out["unsupported"] = str(err)
+print("PROBE " + json.dumps(out))
+"""
+
+# ChatML, as SmolLM2-Instruct's template writes it: vLLM's llm.chat needs a template, and a random-weight model has
+# no tokenizer of its own.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+
+
+def _byte_chars() -> list:
+    """GPT-2's printable stand-in for each byte (``tokenizers``' ByteLevel alphabet), in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def byte_tokenizer(vocab_size: int):
+    """A tokenizer built here, without a download, for a random-weight model in vLLM: ids 0-2 are ChatML's
+    specials (``<|endoftext|>``, ``<|im_start|>`` as BOS, ``<|im_end|>`` as EOS and pad: SPECIAL's ids), byte
+    ``b`` is id ``3 + b`` (``encode_prompt``'s ids), and the ids up to ``vocab_size`` are placeholders, so every id
+    the model may sample decodes; it has ChatML's chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials + _byte_chars())}
+    vocab.update({f"<extra_{i}>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=specials[0], bos_token=specials[1],
+                                        eos_token=specials[2], pad_token=specials[2])
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def vllm_model(spec: str, folder: Path) -> tuple:
+    """(model folder or id for vLLM, description): ``spec`` as the speed stage takes it; a .gguf (the carried one,
+    or the embedded model for "auto") is converted into a folder once (``lookupdec.models.model_folder``, cached);
+    "random", or "auto" without the embedded model, saves SmolLM2-135M's shapes with random weights and
+    :func:`byte_tokenizer` into ``folder``."""
+    from lookupdec.models import ModelLoadError, model_folder
+
+    if spec != "random":
+        try:
+            path = model_folder(None if spec == "auto" else spec)
+            path = str(Path(path).resolve()) if Path(path).exists() else path  # vLLM's processes start in ROOT
+            return path, spec if spec != "auto" else "SmolLM2-135M-Instruct (embedded)"
+        except ModelLoadError as err:
+            if spec != "auto":
+                raise
+            print(f"embedded model unavailable ({err}); vLLM runs random weights instead", file=sys.stderr)
+    family, shape = SHAPES["135M"]
+    model = build_random(family, shape, "cpu", torch.float32)
+    model.save_pretrained(folder)
+    byte_tokenizer(shape["vocab_size"]).save_pretrained(folder)
+    del model
+    gc.collect()
+    return str(folder), ("random weights with SmolLM2-135M's shapes and a byte-level ChatML tokenizer: the answers "
+                         "are noise, which lookupdec's must still match token for token")
+
+
+def _vllm_env(device: torch.device, scratch: Path, shadow: bool) -> tuple:
+    """The environment of vLLM's processes, and the PYTHONPATH entries whose transformers it leaves out: lookupdec
+    from this checkout first; with ``shadow``, an entry that holds transformers (``device_check.sh run``'s carried
+    wheels, for lookupdec's own loop) is replaced by links to everything else in it (pygtrie, ...), so that vLLM
+    imports the image's transformers, the one its pin admits. No network there: the hub is not asked."""
+    entries, shadowed = [str(ROOT)], []
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if not entry or Path(entry).resolve() == ROOT:
+            continue
+        site = Path(entry)
+        if shadow and (site / "transformers").is_dir():
+            copy = scratch / f"site-without-transformers-{len(shadowed)}"
+            copy.mkdir(parents=True, exist_ok=True)
+            for child in site.iterdir():
+                if not child.name.startswith("transformers") and not (copy / child.name).exists():
+                    (copy / child.name).symlink_to(child)
+            shadowed.append(entry)
+            entry = str(copy)
+        entries.append(entry)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(entries), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if device.index is not None:  # vLLM takes the first visible device: make it the one asked for
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = ids[device.index]
+    return env, shadowed
+
+
+def _run_group(cmd: list, env: dict, timeout_s: float) -> tuple:
+    """(stdout, stderr, returncode or None on a timeout, seconds) of ``cmd`` in a session of its own, killed with
+    whatever it started (vLLM's engine core process holds GPU memory the next engine needs) when it ends or runs
+    out of time."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=max(1.0, timeout_s))
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        stdout, stderr = proc.communicate()
+        code = None
+    _kill_group(proc.pid)
+    return stdout, stderr, code, round(time.perf_counter() - started, 1)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def probe_vllm(env: dict, timeout_s: float) -> dict:
+    """What :data:`_VLLM_PROBE` found: vllm, torch and transformers versions, or ``import_error``, or
+    ``unsupported`` (``check_version``'s message)."""
+    stdout, stderr, code, seconds = _run_group([sys.executable, "-c", _VLLM_PROBE], env, timeout_s)
+    lines = [line for line in stdout.splitlines() if line.startswith("PROBE ")]
+    if not lines:
+        raise RuntimeError(f"vLLM's probe {'timed out' if code is None else f'exited {code}'} after {seconds} s: "
+                           + (stderr.strip().splitlines() or ["no output"])[-1][:300])
+    return {**json.loads(lines[-1][len("PROBE "):]), "seconds": seconds}
+
+
+def run_vllm(model: str, spec: dict | None, env: dict, timeout_s: float) -> dict:
+    """tests/vllm_offline.py on :data:`VLLM_REQUESTS` in a process of its own: its seconds (engine start
+    included), and its ``output`` or, if it failed, the end of its log. vLLM's lines about its model runner (V1 or
+    V2, and why) are kept either way."""
+    job = json.dumps({"model": model, "requests": list(VLLM_REQUESTS.values()), "spec": spec})
+    stdout, stderr, code, seconds = _run_group([sys.executable, str(ROOT / "tests" / "vllm_offline.py"), job], env,
+                                               timeout_s)
+    run = {"seconds": seconds, "timeout_s": round(timeout_s), "timed_out": code is None, "returncode": code,
+           "runner_log": [line.strip()[-300:] for line in stderr.splitlines() if "Model Runner" in line][:5]}
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if code == 0 and lines:
+        run["output"] = json.loads(lines[-1][len("RESULT "):])
+    else:
+        run["log_tail"] = stderr[-3000:]
+    return run
+
+
+def first_difference(ids: list, plain_ids: list, plain_top: list) -> dict | None:
+    """Where ``ids`` first parts from plain's ``plain_ids`` (None if it does not): the position, both tokens (None
+    past an answer's end) and plain's top-2 logprob gap there, with whether the other token was plain's second."""
+    if ids == plain_ids:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(ids, plain_ids)) if a != b), min(len(ids), len(plain_ids)))
+    top = plain_top[at] if at < len(plain_top) else {}
+    ranked = sorted(top, key=top.get, reverse=True)
+    other = ids[at] if at < len(ids) else None
+    return {"position": at, "plain_token": plain_ids[at] if at < len(plain_ids) else None, "lookupdec_token": other,
+            "plain_top2_gap": round(top[ranked[0]] - top[ranked[1]], 6) if len(ranked) >= 2 else None,
+            "lookupdec_took_plain_second": len(ranked) >= 2 and str(other) == ranked[1]}
+
+
+def compare_vllm(plain: dict, lookup: dict) -> list:
+    """Per request of :data:`VLLM_REQUESTS`: lookupdec's answers against plain's, alone and in the batch."""
+    rows = []
+    for i, name in enumerate(VLLM_REQUESTS):
+        alone = first_difference(lookup["token_ids"][i], plain["token_ids"][i], plain["top"][i])
+        batched = first_difference(lookup["batched_token_ids"][i], plain["batched_token_ids"][i],
+                                   plain["batched_top"][i])
+        rows.append({"request": name, "plain_tokens": len(plain["token_ids"][i]),
+                     "lookupdec_tokens": len(lookup["token_ids"][i]),
+                     "identical_alone": alone is None, "identical_batched": batched is None,
+                     "plain_alone_equals_batched": plain["token_ids"][i] == plain["batched_token_ids"][i],
+                     "first_difference_alone": alone, "first_difference_batched": batched,
+                     "plain_text": plain["texts"][i][:400],
+                     **({"lookupdec_text": lookup["texts"][i][:400]} if alone else {})})
+    return rows
+
+
+def vllm_stage(spec: str, device: torch.device, plan: Plan, deadline: float, progress=None) -> dict:
+    """The vllm stage: ``{"skipped": reason, ...}`` where it cannot run; else both engines' runs, the comparison
+    per request and the spec-decode counters. ``progress(partial)`` is called after each engine, so a run cut
+    short keeps the first. Raises RuntimeError when an engine fails (its log is in the partial result)."""
+    import importlib.util
+
+    if device.type != "cuda":
+        return {"skipped": "no CUDA device: this stage checks vLLM's GPU path (the dry run runs on the CPU; "
+                           "tests/test_vllm.py runs vLLM's CPU build in an environment of its own)"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vLLM is not installed here (import vllm: no module named 'vllm')"}
+    left = deadline - time.perf_counter()
+    if left < VLLM_MIN_S:
+        return {"skipped": f"{left:.0f} s of the time budget left, short of the {VLLM_MIN_S:.0f} s two vLLM engine "
+                           "starts need: run it alone (--stages vllm)"}
+    with tempfile.TemporaryDirectory(prefix="device-check-vllm-") as scratch:
+        env, shadowed = _vllm_env(device, Path(scratch), shadow=True)
+        probe = probe_vllm(env, min(120.0, left / 3))
+        if "import_error" in probe and shadowed:  # not without the carried transformers: try with it
+            retry = probe_vllm(_vllm_env(device, Path(scratch), shadow=False)[0], min(120.0, left / 3))
+            if "import_error" not in retry:
+                env, shadowed, probe = _vllm_env(device, Path(scratch), shadow=False)[0], [], retry
+        if "import_error" in probe:
+            return {"skipped": f"import vllm failed: {probe['import_error']}", "probe": probe}
+        if "unsupported" in probe:
+            return {"skipped": probe["unsupported"], "probe": probe}
+        result = {"vllm": probe["vllm"], "transformers": probe["transformers"], "torch": probe["torch"],
+                  "probe_seconds": probe["seconds"],
+                  "carried_transformers_left_out": shadowed, "dtype": "float32", "enforce_eager": True,
+                  "speculative_config": VLLM_SPEC, "requests": list(VLLM_REQUESTS),
+                  "max_tokens": [r["max_tokens"] for r in VLLM_REQUESTS.values()]}
+        started = time.perf_counter()
+        result["model_folder"], result["model"] = vllm_model(spec, Path(scratch) / "model")
+        result["model_seconds"] = round(time.perf_counter() - started, 1)
+        gc.collect()
+        torch.cuda.empty_cache()  # vLLM takes 90 % of the device's memory and checks that it is free
+        result["gpu_free_gib"] = round(torch.cuda.mem_get_info(device)[0] / 2**30, 1)
+        runs = result["runs"] = {}
+        for name, speculative in (("plain", None), ("lookupdec", VLLM_SPEC)):
+            left = deadline - time.perf_counter()
+            timeout = min(plan.vllm_timeout_s, left / 2 if name == "plain" else left)
+            if timeout < 30:
+                runs[name] = {"skipped": "the time budget was spent"}
+            else:
+                print(f"vllm {name}: up to {timeout:.0f} s", file=sys.stderr)
+                run = runs[name] = run_vllm(result["model_folder"], speculative, env, timeout)
+                state = "ok" if "output" in run else "timed out" if run["timed_out"] else f"exit {run['returncode']}"
+                print(f"vllm {name}: {run['seconds']} s, {state}", file=sys.stderr)
+            if progress is not None:
+                progress(_without_outputs(result))
+            if "output" not in runs[name]:
+                break
+    failed = [name for name, run in runs.items() if "output" not in run]
+    if failed:
+        run = runs[failed[0]]
+        reason = ("was not started: " + run["skipped"] if "skipped" in run else
+                  "timed out" if run["timed_out"] else f"exited {run['returncode']}")
+        last = (run.get("log_tail", "").strip().splitlines() or [""])[-1][:300]
+        raise RuntimeError(f"the {failed[0]} vLLM run {reason}" + (f": {last}" if last else ""))
+    plain, lookup = runs["plain"].pop("output"), runs["lookupdec"].pop("output")
+    metrics = lookup["metrics"]
+    result.update(rows=compare_vllm(plain, lookup), metrics=metrics, plain_metrics=plain["metrics"],
+                  drafted=metrics.get("vllm:spec_decode_num_draft_tokens"),
+                  accepted=metrics.get("vllm:spec_decode_num_accepted_tokens"))
+    return result
+
+
+def _without_outputs(result: dict) -> dict:
+    """``result`` with each run's answers left out (the partial report written while the stage runs)."""
+    return {**result, "runs": {name: {k: v for k, v in run.items() if k != "output"}
+                               for name, run in result.get("runs", {}).items()}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The report
 
 
@@ -571,10 +910,59 @@ def markdown(report: dict) -> str:
                              f"{r['lookupdec']['passes']} | "
                              f"{'yes' if r['lookupdec']['identical'] and r['pld']['identical'] else 'NO'} |")
         lines.append("")
+    lines += _vllm_markdown(report.get("vllm"))
     lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
     for name, s in report["stages"].items():
         lines.append(f"| {name} | {s['status']} | {s.get('seconds', '-')} |")
     return "\n".join(lines) + "\n"
+
+
+def _vllm_markdown(vl) -> list:
+    if not isinstance(vl, dict):
+        return []
+    lines = ["## lookupdec on vLLM", ""]
+    if "skipped" in vl:
+        return lines + [f"Skipped: {vl['skipped']}", ""]
+    runs = vl.get("runs", {})
+    lines += [f"vLLM {vl['vllm']} (transformers {vl['transformers']}, torch {vl['torch']}), fp32, eager; model: "
+              f"{vl.get('model', '?')}. lookupdec's proposer ({VLLM_SPEC['num_speculative_tokens']} speculative "
+              "tokens at most) against plain vLLM, each request alone and the three in one batch; where an answer "
+              "parts from plain's, plain's top-2 logprob gap there (vLLM's rounding may flip a near-tie: under "
+              f"{NEAR_TIE} nats). Seconds per engine, its start included: "
+              + ", ".join(f"{name} {run.get('seconds', '-')}" for name, run in runs.items()) + ".", ""]
+    rows = vl.get("rows")
+    if rows:
+        lines += ["| request | plain tokens | identical alone | identical batched | plain alone = batched | "
+                  "first difference alone | first difference batched |", "|---" * 7 + "|"]
+        for r in rows:
+            lines.append(f"| {r['request']} | {r['plain_tokens']} | {'yes' if r['identical_alone'] else 'NO'} | "
+                         f"{'yes' if r['identical_batched'] else 'NO'} | "
+                         f"{'yes' if r['plain_alone_equals_batched'] else 'no'} | "
+                         f"{_difference(r['first_difference_alone'])} | "
+                         f"{_difference(r['first_difference_batched'])} |")
+        gaps = [d.get("plain_top2_gap") for r in rows for d in (r["first_difference_alone"],
+                                                                  r["first_difference_batched"]) if d]
+        rate = f" ({vl['accepted'] / vl['drafted']:.0%} accepted)" if vl.get("drafted") else ""
+        lines += ["", f"Drafted {vl.get('drafted')} tokens, accepted {vl.get('accepted')}{rate}: the engine's totals "
+                  "over both passes (alone and batched)." + (
+                      "" if not gaps else " Every difference at a near-tie: " +
+                      ("yes." if all(g is not None and g < NEAR_TIE for g in gaps) else "NO."))]
+    for name, run in runs.items():
+        if "log_tail" in run or "skipped" in run:
+            what = run.get("skipped") or ("timed out" if run["timed_out"] else f"exited {run['returncode']}")
+            lines += ["", f"The {name} run {what}."]
+            if run.get("log_tail"):
+                lines += ["", "```", run["log_tail"][-1200:], "```"]
+    logged = sorted({line for run in runs.values() for line in run.get("runner_log", [])})
+    lines += [""] + [f"- vLLM logged: `{line}`" for line in logged] + ([""] if logged else [])
+    return lines
+
+
+def _difference(d) -> str:
+    if d is None:
+        return "-"
+    gap = "?" if d["plain_top2_gap"] is None else f"{d['plain_top2_gap']:.2g}"
+    return f"at {d['position']}: gap {gap}" + (" (plain's 2nd)" if d["lookupdec_took_plain_second"] else "")
 
 
 def _count(n: int) -> str:
@@ -593,8 +981,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     ap.add_argument("--dtype", default="auto", help="curves and speed: auto (bfloat16 on cuda, else float32), ...")
     ap.add_argument("--model", default="auto",
-                    help="speed stage: auto (the embedded model if installed, else random weights with its shapes), "
-                         "random, or anything lookupdec.models.load_model takes (a .gguf path, a folder)")
+                    help="speed and vllm stages: auto (the embedded model if installed, else random weights with "
+                         "its shapes), random, or anything lookupdec.models.load_model takes (a .gguf path, a folder)")
     ap.add_argument("--data", type=Path, default=None,
                     help="folder with pld_cnn_dm.json and pld_hagrid.json (default ../shared/data)")
     ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
@@ -651,7 +1039,8 @@ def main(argv=None) -> int:
         try:
             key, value = fn()
             report[key] = value
-            report["stages"][name] = {"status": "done"}
+            skipped = value.get("skipped") if isinstance(value, dict) else None
+            report["stages"][name] = {"status": f"skipped: {skipped}" if skipped else "done"}
         except Exception as err:  # noqa: BLE001 - a failed stage is reported; the others still run
             report["stages"][name] = {"status": f"failed: {type(err).__name__}: {err}"[:500]}
         report["stages"][name]["seconds"] = round(time.perf_counter() - t0, 1)
@@ -683,6 +1072,12 @@ def main(argv=None) -> int:
                                                          plan, deadline - plan.reserve_curves)))
     stage("speed", speed_stage)
     stage("exact16", lambda: ("exact16", exact("bfloat16", plan.tests_k16)))
+
+    def vllm_progress(partial):  # the first engine's run is kept should the second not finish
+        report["vllm"] = partial
+        write(report, args.out)
+
+    stage("vllm", lambda: ("vllm", vllm_stage(args.model, device, plan, deadline, vllm_progress)))
     report["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     write(report, args.out)
     print(markdown(report))
