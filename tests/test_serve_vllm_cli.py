@@ -42,7 +42,7 @@ def test_without_vllm_installed_the_command_says_what_to_install(monkeypatch):
 def test_the_vllm_command_line_carries_the_proposer_the_middleware_and_the_options():
     options = launch.VllmOptions(host="0.0.0.0", port=9000, max_batch=16, api_key="k", dtype="fp32",
                                  extra=["--max-model-len", "4096"])
-    args = launch.command(options, "/models/x", "smollm2")
+    args = launch.command(options, "/models/x", "smollm2", cpu=True)
     assert args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     pairs = dict(zip(args[3:-2:2], args[4:-2:2]))
     assert pairs["--model"] == "/models/x" and pairs["--served-model-name"] == "smollm2"
@@ -52,3 +52,14 @@ def test_the_vllm_command_line_carries_the_proposer_the_middleware_and_the_optio
     assert json.loads(pairs["--speculative-config"]) == {
         "method": "custom_class", "model": "lookupdec.vllm.proposer.LookupProposer", "num_speculative_tokens": 16}
     assert args[-2:] == ["--max-model-len", "4096"]  # vLLM's own, last: they win over ours
+
+
+def test_dtype_auto_means_what_it_means_for_lookupdecs_own_engine():
+    # vLLM's own "auto" runs an fp32 checkpoint in bf16 on a CPU: answers would then part from fp32 plain decoding
+    # (seen: an answer ended 28 tokens early). auto is fp32 on the CPU and bf16 on CUDA, as for --engine transformers.
+    def dtype(value, cpu):
+        args = launch.command(launch.VllmOptions(dtype=value), "/m", "m", cpu=cpu)
+        return args[args.index("--dtype") + 1]
+
+    assert (dtype("auto", True), dtype("auto", False)) == ("float32", "bfloat16")
+    assert (dtype("fp32", False), dtype("bf16", True), dtype("fp16", True)) == ("float32", "bfloat16", "float16")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 # The longest draft vLLM reserves room for; the proposer's cost model picks each row's length up to it.
 MAX_DRAFT = 16
-_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Settings vLLM's CPU build needs on small shared machines (ANCHORS.md), applied only where unset: its OpenMP
 # threads otherwise bind to cores the machine may not give it, and it reserves 4 GiB of KV cache by default.
 _CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -39,14 +39,23 @@ class VllmOptions:
     extra: list = field(default_factory=list)  # vLLM's own arguments, passed as given
 
 
-def command(options: VllmOptions, model_folder: str, served_name: str) -> list:
+def vllm_dtype(dtype: str, cpu: bool) -> str:
+    """vLLM's name for ``--dtype``. ``auto`` means what it means for lookupdec's own engine, bf16 on CUDA and fp32
+    on the CPU, not vLLM's ``auto``, which runs an fp32 checkpoint in bf16 on a CPU too (and so parts from fp32
+    plain decoding at near-ties of bf16's size)."""
+    if dtype == "auto":
+        return "float32" if cpu else "bfloat16"
+    return _DTYPES[dtype]
+
+
+def command(options: VllmOptions, model_folder: str, served_name: str, cpu: bool) -> list:
     """The command line that starts vLLM's OpenAI server with lookupdec in it."""
     spec = {"method": "custom_class", "model": "lookupdec.vllm.proposer.LookupProposer",
             "num_speculative_tokens": options.max_draft}
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model_folder, "--served-model-name", served_name,
             "--host", options.host, "--port", str(options.port),
-            "--max-num-seqs", str(options.max_batch), "--dtype", _DTYPES[options.dtype],
+            "--max-num-seqs", str(options.max_batch), "--dtype", vllm_dtype(options.dtype, cpu),
             "--speculative-config", json.dumps(spec),
             "--middleware", "lookupdec.vllm.middleware.PredictedOutputs"]
     if options.api_key:
@@ -83,9 +92,10 @@ def run(options: VllmOptions, say=print) -> int:
         raise LaunchError(str(err)) from None
     import torch
 
-    args = command(options, folder, options.model or DEFAULT_MODEL)
+    cpu = not torch.cuda.is_available()
+    args = command(options, folder, options.model or DEFAULT_MODEL, cpu)
     say(f"starting vLLM {_internals.vllm_version_string()} with lookupdec's proposer: {' '.join(args[1:4])} ...")
-    child = subprocess.Popen(args, env=environment(cpu=not torch.cuda.is_available()))
+    child = subprocess.Popen(args, env=environment(cpu=cpu))
 
     def forward(signum, _frame):
         child.send_signal(signum)
