@@ -32,7 +32,8 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import LogitsProcessor, TemperatureLogitsWarper
 
-TESTED = ((5, 24), (6, 0))  # >= 5.24, < 6: the range pyproject.toml admits and the tests run on
+TESTED = ((5, 24), (6, 0))  # >= 5.24, < 6: the range the tests run on (pyproject.toml admits older ones for the
+# vLLM side, which needs no transformers internals: this check guards lookupdec's own engine)
 
 
 def _check_version(version: str) -> None:
