@@ -108,15 +108,15 @@ def bind_runner() -> None:
     _BOUND = True
 
 
-def served_tokenizer(app) -> str:
-    """The tokenizer path of the model vLLM's OpenAI server (the ASGI ``app``) serves."""
+def served_model(app) -> tuple:
+    """``(tokenizer path, context length)`` of the model vLLM's OpenAI server (the ASGI ``app``) serves."""
     state = getattr(app, "state", None)
     config = getattr(state, "vllm_config", None)
     if config is None:
         raise RuntimeError("lookupdec's middleware found no vllm_config on the server's app; it runs inside "
                            "vLLM's OpenAI server (vllm serve ... --middleware lookupdec.vllm.middleware."
                            "PredictedOutputs)")
-    return config.model_config.tokenizer
+    return config.model_config.tokenizer, int(config.model_config.max_model_len)
 
 
 def vllm_version_string() -> str:

@@ -6,7 +6,8 @@ vLLM's OpenAI server accepts ``prediction`` and drops it. This ASGI middleware, 
 - checks the field (``{"type": "content", "content": <string or text parts>}``; a bad one is a 400 in OpenAI's
   error shape, as is ``n`` above 1 with a prediction, which OpenAI refuses too), tokenizes the prediction with the
   served model's tokenizer, and hands the ids to the request's proposer session as ``vllm_xargs``
-  (:data:`lookupdec.vllm.PREDICTION_ARG`);
+  (:data:`lookupdec.vllm.PREDICTION_ARG`); a prediction longer than the model's context (or, before tokenizing,
+  16 characters per context token) is a 400 ``prediction_too_large``, as on ``lookupdec serve``;
 - fills ``usage.completion_tokens_details.accepted_prediction_tokens`` / ``rejected_prediction_tokens`` in the
   response, in OpenAI's meaning (the prediction's tokens that appear in the answer, matched in order:
   :func:`lookupdec.serve.protocol.prediction_usage`, on the answer's text tokenized again), in a plain response
@@ -27,6 +28,7 @@ from . import PREDICTION_ARG
 
 _PATHS = ("/v1/chat/completions", "/v1/completions")
 _MAX_BODY = 64 * 1024 * 1024  # vLLM's own limits apply after this; this bounds what the middleware buffers
+_CHARS_PER_TOKEN = 16  # a prediction over 16 characters per context token is refused before it is tokenized
 
 
 class _Refused(Exception):
@@ -51,6 +53,10 @@ def _prediction_text(body: dict) -> str | None:
     if not isinstance(content, str):
         raise _Refused("prediction.content must be a string or a non-empty array of text parts",
                        "prediction.content")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Refused("prediction.content is not valid Unicode (a lone surrogate)", "prediction.content") from None
     n = body.get("n", 1)
     if n not in (None, 1):
         raise _Refused("n must be 1 when a prediction is given", "n")
@@ -67,16 +73,17 @@ class _Tokenizers:
         self._lock = threading.Lock()
         self._loaded: dict = {}
 
-    def get(self, app):
+    def get(self, app) -> tuple:
+        """``(tokenizer, context length)`` of the served model."""
         from . import _internals
 
-        path = _internals.served_tokenizer(app)
+        path, context = _internals.served_model(app)
         with self._lock:
             if path not in self._loaded:
                 from transformers import AutoTokenizer
 
                 self._loaded[path] = AutoTokenizer.from_pretrained(path)
-            return self._loaded[path]
+            return self._loaded[path], context
 
 
 _TOKENIZERS = _Tokenizers()
@@ -101,21 +108,31 @@ class PredictedOutputs:
         if more:  # too large for us to look into: vLLM answers it as it would
             await self.app(scope, _replay(raw, receive), send)
             return
+        import anyio
+
         try:
-            body = json.loads(raw)
+            body = await anyio.to_thread.run_sync(json.loads, raw)  # off the event loop: bodies can be megabytes
             text = _prediction_text(body) if isinstance(body, dict) else None
         except _Refused as err:
             await _error(send, 400, str(err), err.param)
             return
-        except ValueError:  # not JSON: vLLM's own error
+        except (ValueError, RecursionError):  # not JSON (or nested past the parser): vLLM's own error
             text = None
         if text is None:
             await self.app(scope, _replay(raw, receive), send)
             return
-        import anyio
-
-        tokenizer = await anyio.to_thread.run_sync(_TOKENIZERS.get, scope["app"])
+        tokenizer, context = await anyio.to_thread.run_sync(_TOKENIZERS.get, scope["app"])
+        # What a prediction may cost is bounded before tokenizing (its characters) and after (its tokens): it is
+        # drafted from, so one longer than the model's context cannot help, and tokenizing it is paid by everyone.
+        if len(text) > _CHARS_PER_TOKEN * context:
+            await _error(send, 400, f"the prediction is {len(text)} characters; at most {_CHARS_PER_TOKEN * context} "
+                                    f"(the model's context is {context} tokens)", "prediction", "prediction_too_large")
+            return
         prediction = await anyio.to_thread.run_sync(_ids, tokenizer, text)
+        if len(prediction) > context:
+            await _error(send, 400, f"the prediction is {len(prediction)} tokens; at most {context} (the model's "
+                                    "context)", "prediction", "prediction_too_large")
+            return
         body.pop("prediction")
         body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), PREDICTION_ARG: prediction}
         raw = json.dumps(body).encode()
@@ -155,9 +172,9 @@ def _replay(raw: bytes, receive):
     return replay
 
 
-async def _error(send, status: int, message: str, param: str | None) -> None:
+async def _error(send, status: int, message: str, param: str | None, code: str | None = None) -> None:
     payload = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                    "code": None}}).encode()
+                                    "code": code}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,127 @@
+"""The Predicted Outputs middleware for vLLM's server, without vLLM: driven as an ASGI app in front of a stand-in
+for vLLM's routes (which echoes what reaches it and answers like vLLM's chat route). Refusals, the prediction
+handed on as ``vllm_xargs``, and OpenAI's counts in plain and streamed answers. The real server is tested in
+``tests/test_vllm.py``."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from lookupdec.serve.protocol import prediction_usage
+from lookupdec.vllm import PREDICTION_ARG
+from lookupdec.vllm.middleware import PredictedOutputs
+
+ANSWER = "name: web\nport: 9090\n"
+PREDICTION = "name: web\nport: 8080\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path():
+    from lookupdec.models import ModelLoadError, model_folder
+
+    try:
+        return model_folder()
+    except ModelLoadError as err:
+        pytest.skip(f"the embedded model is not available: {err}")
+
+
+class _Routes:
+    """vLLM's side: records the body it got; answers ANSWER, plain or as a stream with a usage chunk."""
+
+    def __init__(self):
+        self.bodies = []
+
+    async def __call__(self, scope, receive, send):
+        message = await receive()
+        body = json.loads(message["body"])
+        self.bodies.append(body)
+        usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        if body.get("stream"):
+            events = [{"choices": [{"index": 0, "delta": {"content": ANSWER[:7]}}]},
+                      {"choices": [{"index": 0, "delta": {"content": ANSWER[7:]}}]},
+                      {"choices": [], "usage": usage}]
+            for event in events:  # split mid-event, as a network would
+                data = f"data: {json.dumps(event)}\n\n".encode()
+                await send({"type": "http.response.body", "body": data[:5], "more_body": True})
+                await send({"type": "http.response.body", "body": data[5:], "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        else:
+            answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": ANSWER}}], "usage": usage}
+            await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+
+
+def _call(app, body, tokenizer_path, context=8192):
+    raw = json.dumps(body).encode()
+    state = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(tokenizer=tokenizer_path,
+                                                                                     max_model_len=context)))
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-length", str(len(raw)).encode())], "app": SimpleNamespace(state=state)}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(PredictedOutputs(app)(scope, receive, send))
+    status = sent[0]["status"]
+    return status, b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def _body(**extra):
+    return {"model": "m", "messages": [{"role": "user", "content": "Set the port to 9090."}], **extra}
+
+
+def test_a_prediction_reaches_vllm_as_token_ids_and_the_answer_carries_openais_counts(tokenizer_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    ids = tokenizer(PREDICTION, add_special_tokens=False)["input_ids"]
+    expected = prediction_usage(ids, tokenizer(ANSWER, add_special_tokens=False)["input_ids"])
+    assert 0 < expected[0] < len(ids)
+    routes = _Routes()
+    status, raw = _call(routes, _body(prediction={"type": "content", "content": [{"type": "text", "text": PREDICTION}]},
+                                      vllm_xargs={"other": 1}), tokenizer_path)
+    assert status == 200
+    assert "prediction" not in routes.bodies[0]
+    assert routes.bodies[0]["vllm_xargs"] == {"other": 1, PREDICTION_ARG: ids}
+    details = json.loads(raw)["usage"]["completion_tokens_details"]
+    assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == expected
+
+    status, raw = _call(routes, _body(prediction={"type": "content", "content": PREDICTION}, stream=True),
+                        tokenizer_path)
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events if e["choices"]) == ANSWER
+    details = events[-1]["usage"]["completion_tokens_details"]
+    assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == expected
+    assert raw.endswith(b"data: [DONE]\n\n")
+
+
+def test_without_a_prediction_the_request_passes_untouched(tokenizer_path):
+    routes = _Routes()
+    status, raw = _call(routes, _body(max_tokens=5), tokenizer_path)
+    assert status == 200 and routes.bodies == [_body(max_tokens=5)]
+    assert "completion_tokens_details" not in json.loads(raw)["usage"]
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"prediction": {"type": "text", "content": "x"}}, "prediction", None),
+    ({"prediction": {"type": "content", "content": 5}}, "prediction.content", None),
+    ({"prediction": {"type": "content", "content": []}}, "prediction.content", None),
+    ({"prediction": {"type": "content", "content": "x", "extra": 1}}, "prediction", None),
+    ({"prediction": {"type": "content", "content": "x"}, "n": 2}, "n", None),
+    ({"prediction": {"type": "content", "content": "x"}, "vllm_xargs": [1]}, "vllm_xargs", None),
+    ({"prediction": {"type": "content", "content": "hi \ud800"}}, "prediction.content", None),
+    ({"prediction": {"type": "content", "content": "port: 1\n" * 100}}, "prediction", "prediction_too_large"),  # tokens
+    ({"prediction": {"type": "content", "content": "x" * 2000}}, "prediction", "prediction_too_large"),
+])
+def test_bad_predictions_get_a_400_in_openais_shape_and_never_reach_vllm(tokenizer_path, extra, param, code):
+    routes = _Routes()
+    status, raw = _call(routes, _body(**extra), tokenizer_path, context=64)  # 64 tokens: 1,024 characters at most
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == param and error["code"] == code and error["message"]
+    assert error["type"] == "invalid_request_error" and not routes.bodies
