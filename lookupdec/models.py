@@ -176,12 +176,10 @@ def model_folder(name: str | None = None, *, progress: bool = False) -> str:
     the embedded models and `.gguf` files are converted once into the cache, as :func:`load_model` does (the
     conversion loads the model once, on the CPU); a folder or hub id is returned as given. Raises ModelLoadError."""
     name = DEFAULT_MODEL if name is None else os.fspath(name)
-    gguf = _NAMED[name]() if name in _NAMED else Path(name).expanduser() if name.lower().endswith(".gguf") else None
+    gguf = _gguf_of(name)
     if gguf is None:
         return name
-    if not gguf.is_file():
-        raise ModelLoadError(f"cannot load model {name!r}: no such file")
-    folder = cache_dir() / "models" / _sha256_prefix(gguf)
+    folder = _converted_folder(gguf)
     if not (folder / "config.json").is_file():
         del _load_gguf(gguf, torch.float32, progress)[0]
         if not (folder / "config.json").is_file():
@@ -189,15 +187,30 @@ def model_folder(name: str | None = None, *, progress: bool = False) -> str:
     return str(folder)
 
 
+def _gguf_of(name: str) -> Path | None:
+    """The .gguf file `name` stands for (an embedded model's, or a path ending in .gguf); None for a folder or a
+    hub id."""
+    if name in _NAMED:
+        return _NAMED[name]()
+    if not name.lower().endswith(".gguf"):
+        return None
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"cannot load model {name!r}: no such file")
+    return path
+
+
+def _converted_folder(gguf: Path) -> Path:
+    """Where `gguf`'s conversion is cached (by the file's content, so a renamed or moved copy finds it)."""
+    return cache_dir() / "models" / _sha256_prefix(gguf)
+
+
 def _load(name: str | None, dtype: torch.dtype, progress: bool):
     name = DEFAULT_MODEL if name is None else os.fspath(name)
-    if name in _NAMED:
-        return _load_gguf(_NAMED[name](), dtype, progress)
+    gguf = _gguf_of(name)
+    if gguf is not None:
+        return _load_gguf(gguf, dtype, progress)
     path = Path(name).expanduser()
-    if name.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise ModelLoadError(f"cannot load model {name!r}: no such file")
-        return _load_gguf(path, dtype, progress)
     if path.is_dir():
         return _load_folder(path, name, dtype, progress)
     if _looks_like_path(name):
@@ -206,7 +219,7 @@ def _load(name: str | None, dtype: torch.dtype, progress: bool):
 
 
 def _load_gguf(gguf: Path, dtype: torch.dtype, progress: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    folder = cache_dir() / "models" / _sha256_prefix(gguf)
+    folder = _converted_folder(gguf)
     if folder.is_dir():
         _say(progress, f"loading cached weights of {gguf.name} from {folder}")
         try:

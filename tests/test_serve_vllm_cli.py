@@ -63,3 +63,15 @@ def test_dtype_auto_means_what_it_means_for_lookupdecs_own_engine():
 
     assert (dtype("auto", True), dtype("auto", False)) == ("float32", "bfloat16")
     assert (dtype("fp32", False), dtype("bf16", True), dtype("fp16", True)) == ("float32", "bfloat16", "float16")
+
+
+def test_an_untested_vllm_is_refused_with_a_message(monkeypatch):
+    from lookupdec.vllm import _internals
+
+    for fine in ("0.32.0", "0.32.1+cpu"):
+        monkeypatch.setattr(_internals, "vllm_version_string", lambda v=fine: v)
+        _internals.check_version()
+    for untested in ("0.33.0", "0.31.2", "dev"):
+        monkeypatch.setattr(_internals, "vllm_version_string", lambda v=untested: v)
+        with pytest.raises(RuntimeError, match=rf"tested on vLLM 0\.32; this is vLLM {untested}\. Install"):
+            _internals.check_version()

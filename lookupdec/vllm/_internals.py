@@ -11,31 +11,27 @@ the real classes, so a vLLM that moves any of these fails there, not in a user's
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from . import PREDICTION_ARG
 
 TESTED_VERSIONS = ((0, 32),)
 
 
-def vllm_version() -> tuple:
+def vllm_version_string() -> str:
     import vllm
 
-    version = getattr(vllm, "__version__", "0")
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
+    return str(getattr(vllm, "__version__", "?"))
 
 
 def check_version() -> None:
     """Refuse a vLLM whose internals this module was not tested against."""
-    import vllm
-
-    if vllm_version() not in TESTED_VERSIONS:
+    version = vllm_version_string()
+    if tuple(int(n) for n in re.findall(r"\d+", version)[:2]) not in TESTED_VERSIONS:
         tested = ", ".join(".".join(map(str, v)) for v in TESTED_VERSIONS)
-        raise RuntimeError(f"lookupdec's vLLM proposer is tested on vLLM {tested}; this is vLLM "
-                           f"{getattr(vllm, '__version__', '?')}. Install a tested version, or a lookupdec that "
-                           "supports this one.")
+        raise RuntimeError(f"lookupdec's vLLM proposer is tested on vLLM {tested}; this is vLLM {version}. Install "
+                           "a tested version, or a lookupdec that supports this one.")
 
 
 @dataclass
@@ -68,8 +64,6 @@ class RunnerView:
         return int(self._scheduler_output.total_num_scheduled_tokens)
 
     def request(self, req_id: str) -> RequestInfo:
-        from . import PREDICTION_ARG
-
         state = self._runner.requests[req_id]
         params = state.sampling_params
         stop = frozenset(int(t) for t in (params.all_stop_token_ids or ())) if params is not None else frozenset()
@@ -117,9 +111,3 @@ def served_model(app) -> tuple:
                            "vLLM's OpenAI server (vllm serve ... --middleware lookupdec.vllm.middleware."
                            "PredictedOutputs)")
     return config.model_config.tokenizer, int(config.model_config.max_model_len)
-
-
-def vllm_version_string() -> str:
-    import vllm
-
-    return str(getattr(vllm, "__version__", "?"))

@@ -94,10 +94,7 @@ class LookupProposer:
                 continue
             n = int(num_tokens_no_spec[row])
             tracked = self._track(view, req_id, token_ids_cpu[row], n)
-            if tracked is None:
-                continue
-            limit = self.k
-            limit = min(limit, self.max_model_len - n - 1)
+            limit = min(self.k, self.max_model_len - n - 1)
             if tracked.info.max_tokens is not None:
                 limit = min(limit, tracked.info.max_tokens - (n - tracked.info.prompt_len) - 1)
             if limit <= 0:
