@@ -81,12 +81,17 @@ class Resolved:
 
     @property
     def pad_token_id(self) -> int:
-        """What pads a batch's finished rows, as in ``model.generate``: the pad token, else the first EOS."""
+        """What pads a batch's finished rows, as in ``model.generate``: the pad token, else the first EOS id in
+        the generation config's order (transformers' ``_prepare_special_tokens`` picks it), else 0."""
         config = self.generation_config
-        for token in (config.pad_token_id, next(iter(sorted(self.eos_ids)), None)):
-            if token is not None:
-                return int(token[0] if isinstance(token, (list, tuple)) else token)
-        return 0
+        token = getattr(config, "_pad_token_tensor", None)
+        if token is None:
+            token = config.pad_token_id
+        if token is None:
+            return 0
+        if isinstance(token, torch.Tensor):
+            return int(token.flatten()[0])
+        return int(token[0] if isinstance(token, (list, tuple)) else token)
 
 
 def resolve_generation(
@@ -99,6 +104,7 @@ def resolve_generation(
     stopping_criteria: StoppingCriteriaList | None,
     tokenizer=None,
     stable_temperature: bool = False,
+    attention_mask: torch.Tensor | None = None,
     **overrides: Any,
 ) -> Resolved:
     """Build the processors, stopping criteria and EOS set that ``model.generate`` would use for these arguments.
@@ -107,7 +113,11 @@ def resolve_generation(
     :class:`StableTemperatureLogitsWarper`, which gives the same distribution (to rounding) where transformers' is
     finite, and the right one where transformers' overflows (a tiny temperature). Off by default:
     :func:`lookupdec.generate` must apply exactly what ``model.generate`` applies; the server turns it on, since its
-    API accepts any temperature in (0, 2]."""
+    API accepts any temperature in (0, 2].
+
+    ``input_ids`` is the row as ``model.generate`` gets it, left padding included, and ``attention_mask`` [1,
+    prompt_len] its mask: processors that read the prompt (a repetition penalty skips the padding, as there) are
+    built from both, so they see what ``model.generate``'s see."""
     overrides = {key: value for key, value in overrides.items() if value is not None}
     config, unused = model._prepare_generation_config(generation_config, max_new_tokens=max_new_tokens, **overrides)
     if unused:
@@ -126,7 +136,7 @@ def resolve_generation(
         encoder_input_ids=input_ids,
         logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
         device=input_ids.device,
-        model_kwargs={},
+        model_kwargs={} if attention_mask is None else {"attention_mask": attention_mask.to(input_ids.device)},
     )
     if stable_temperature:
         processors = LogitsProcessorList(

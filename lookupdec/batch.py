@@ -41,7 +41,7 @@ settings (greedy, or sampling with its own seed):
   share (the forward pass, the cache) fails the batch.
 - **Sliding-window models** (a window counts cache slots, and holes would shrink it) run one row at a time
   (:attr:`BatchRun.single`), on a cache that can roll back (:func:`~lookupdec._transformers.rollback_cache`),
-  as the single-row loop runs them; :func:`generate_batch` refuses them.
+  as a single-row generation runs them; :func:`generate_batch` runs them only as a batch of one.
 """
 
 
@@ -118,7 +118,8 @@ class Row:
     """
 
     def __init__(self, prompt: torch.Tensor, resolved, session, max_new_tokens: int, pick: Callable, *,
-                 index: int = 0, trace=None, on_commit: Callable | None = None, owner=None):
+                 index: int = 0, trace=None, on_commit: Callable | None = None, owner=None,
+                 padding: torch.Tensor | None = None):
         self.index = index  # row in the caller's input_ids
         self.prompt = prompt  # [1, prompt_len] on the input device
         self.prompt_len = prompt.shape[1]
@@ -135,9 +136,17 @@ class Row:
         self.held = False  # the row ended by itself with hold_session set: its session awaits finish_session()
         self.finish_reason = None
         self.error: BaseException | None = None
-        self.seq = torch.empty((1, self.prompt_len + max_new_tokens), dtype=torch.long, device=prompt.device)
-        self.seq[:, : self.prompt_len] = prompt
-        self.cur = self.prompt_len
+        # seq: [padding, prompt, generated tokens] (and, during a pass, the draft). The model never sees the
+        # padding; the logits processors and stopping criteria read prefixes of seq, so they see what
+        # model.generate's see in a left-padded batch (no_repeat_ngram_size counts pad tokens there; a
+        # repetition penalty skips them, told by the mask the processors were built with).
+        pad = 0 if padding is None else padding.shape[1]
+        self.start = pad + self.prompt_len  # where the generated tokens begin in seq
+        self.seq = torch.empty((1, self.start + max_new_tokens), dtype=torch.long, device=prompt.device)
+        if pad:
+            self.seq[:, :pad] = padding
+        self.seq[:, pad: self.start] = prompt
+        self.cur = self.start
         self.stats = GenerationStats()
         self.process = self._process if len(resolved.processors) else None
         self.plain_greedy = not resolved.do_sample and self.process is None
@@ -153,12 +162,12 @@ class Row:
 
     @property
     def generated(self) -> int:
-        return self.cur - self.prompt_len
+        return self.cur - self.start
 
     @property
     def tokens(self) -> torch.Tensor:
         """The tokens generated so far [n]."""
-        return self.seq[0, self.prompt_len: self.cur]
+        return self.seq[0, self.start: self.cur]
 
     def cancel(self, keep: int | None = None) -> None:
         """End this row at the next step (safe from any thread). ``keep``: only the first ``keep`` generated
@@ -235,7 +244,7 @@ class BatchRun:
     :meth:`step` commits the last pass's tokens, lets finished rows go, and runs the next pass for the rest.
 
     :attr:`single`: the model has sliding-window layers, so the run holds one row at a time, on a cache that can
-    roll back (the single-row loop's), and refuses a second.
+    roll back, and refuses a second.
     """
 
     def __init__(self, model, drafter):
@@ -582,31 +591,54 @@ class BatchRun:
         row.pass_seconds = seconds
 
 
-def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, trace) -> LookupOutput:
-    """Batched lookup decoding of ``input_ids`` [B, L] (left padding given by ``mask`` [B, L] bool and ``lengths``
-    [B]) for a ``loop.Job``; each row's output equals what the row alone would give."""
+def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, traces: list,
+                   streamer=None) -> LookupOutput:
+    """Lookup decoding of ``input_ids`` [B, L] (left padding given by ``mask`` [B, L] bool and ``lengths`` [B]) for
+    a ``loop.Job``: the one loop of :func:`lookupdec.generate`, for one row as for many. ``traces``: one recorder
+    (or None) per row; ``streamer``: a batch of one only. Each row's output equals what the row alone would give.
+
+    Several rows are prefilled together, as plain batched generate does; a single row is prefilled alone without
+    its padding (:meth:`BatchRun.join`), and then runs solo, its passes as a single-sequence generation's (no mask,
+    no positions; on a sliding-window model, the cache that rolls back)."""
     batch, width = input_ids.shape
-    traces = list(trace) if trace is not None else [None] * batch
-    if len(traces) != batch:
-        raise ValueError(f"a batch of {batch} rows needs {batch} trace recorders (a list), got {len(traces)}")
     run = BatchRun(job.model, job.drafter)
-    batch_cache(job.model)  # refuses sliding-window models before anything runs
+    if batch > 1:
+        batch_cache(job.model)  # refuses sliding-window models before anything runs
+    on_commit = None
+    if streamer is not None:
+        if batch != 1:
+            raise ValueError("a streamer needs a batch of one (transformers' streamers do too)")
+
+        def on_commit(tokens: list, done: bool) -> None:
+            if tokens:
+                streamer.put(torch.tensor(tokens, dtype=torch.long))
+
     rows = []
     for r in range(batch):
-        prompt = input_ids[r: r + 1, width - int(lengths[r]):].to(run.device)
-        resolved = job.resolve(prompt)
-        session = job.drafter.start(prompt[0].cpu().numpy(), eos_ids=resolved.eos_ids)
-        rows.append(Row(prompt, resolved, session, job.max_new_tokens, job.verifier(resolved), index=r,
-                        trace=traces[r]))
+        padded = input_ids[r: r + 1].to(run.device)
+        start = width - int(lengths[r])
+        # Resolved on the padded row and its mask, as model.generate resolves them (min_new_tokens counts from the
+        # padded width; a repetition penalty skips the padding).
+        resolved = job.resolve(padded, mask[r: r + 1].long())
+        session = job.drafter.start(padded[0, start:].cpu().numpy(), eos_ids=resolved.eos_ids)
+        rows.append(Row(padded[:, start:], resolved, session, job.max_new_tokens, job.verifier(resolved), index=r,
+                        trace=traces[r], on_commit=on_commit, padding=padded[:, :start]))
     # A batch prices drafts by its size's bucket, measured for the starting size; the single-row profile serves
     # once one row is left.
     job.calibrate(rows=1)
-    job.calibrate(rows=batch)
-    run.prefill(rows, input_ids, mask, lengths)
+    if batch > 1:
+        job.calibrate(rows=batch)
+        run.prefill(rows, input_ids, mask, lengths)
+    else:
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        run.join(rows[0])
     while run.rows:
         for row in run.step():
             if row.error is not None:  # one row's failure fails the call, as it fails a single-row generation
                 raise row.error
+    if streamer is not None:
+        streamer.end()
 
     stats = run.stats
     stats.rows = [row.stats for row in rows]
@@ -617,7 +649,7 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
     out[:, :width] = input_ids.to(run.device)
     for row in rows:
         out[row.index, width: width + row.generated] = row.tokens
-    return LookupOutput(sequences=out, stats=stats)
+    return LookupOutput(sequences=out, stats=stats, finish_reasons=[row.finish_reason for row in rows])
 
 
 def _verify(logits: torch.Tensor, drafts, rows: list[Row]) -> list:

@@ -1,6 +1,7 @@
-"""The decoding loop: draft -> one target forward -> verify -> commit, cropping the KV cache on rejection.
+""":func:`generate`: lookup decoding with ``model.generate``'s arguments and output.
 
-Invariant between steps: the KV cache holds every committed token except the last one, ``last``. A step feeds
+Each step is draft -> one target forward -> verify -> commit, cropping the KV cache on rejection. Invariant
+between steps: the KV cache holds every committed token except the last one, ``last``. A step feeds
 ``[last, x_0 .. x_{d-1}]`` (``d + 1`` tokens) and gets ``d + 1`` rows of logits back: row ``pos`` predicts the token
 after draft position ``pos - 1``. The verifier keeps ``accepted`` drafted tokens and adds one target token; the
 cache is cropped to drop the ``d - accepted`` rejected positions, and that target token becomes the new ``last``.
@@ -12,8 +13,9 @@ Model-agnostic: it needs a transformers causal LM whose cache can be cropped (``
 about its architecture. Sliding-window layers keep their past while a draft is pending (transformers'
 ``activate_past_recording``), so cropping restores them too.
 
-Batches (``input_ids`` [B, L], left-padded) run in ``batch.py`` on the same driver. Drafting goes through the
-drafter's propose/commit driver (``Drafter.propose``, ``DraftSession.commit``), verification through ``verify.py``.
+This module checks and resolves the arguments (:class:`Job`); the loop itself is ``batch.py``'s, for one row as
+for many (a single row is a batch of one that runs solo). Drafting goes through the drafter's propose/commit
+driver (``Drafter.propose``, ``DraftSession.commit``), verification through ``verify.py``.
 """
 
 from __future__ import annotations
@@ -21,17 +23,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ._device import host_buffer, input_device, synchronize
-from ._transformers import (
-    Resolved,
-    forward_params,
-    resolve_generation,
-    rollback_cache,
-    target_forward,
-)
+from ._transformers import Resolved, resolve_generation
 from .batch import generate_batch
 from .calibration import calibrate_or_warn
 from .drafter import Drafter
@@ -46,7 +40,7 @@ def generate(
     input_ids: torch.LongTensor,  # [batch, prompt_len]
     attention_mask: torch.Tensor | None = None,  # [batch, prompt_len]; left padding, as for model.generate
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     drafter: Drafter | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
@@ -60,12 +54,19 @@ def generate(
     generator: torch.Generator | None = None,
     tokenizer=None,
     trace=None,
+    **generation_kwargs,
 ) -> LookupOutput:
     """Generate with lookup drafts; the output is what ``model.generate`` would produce with the same arguments.
 
     Greedy output is token-identical to plain greedy decoding; sampled output follows exactly the distribution of
-    plain sampling with the same processors and warpers (temperature, top-k, top-p, penalties, ...). Pass a
+    plain sampling with the same processors and warpers (temperature, top-k, top-p, min-p, penalties, ...). Pass a
     ``torch.Generator`` for reproducible sampling. ``tokenizer`` is only needed for ``stop_strings``.
+
+    ``generation_kwargs``: any other field of a ``GenerationConfig`` that decides the tokens, as
+    ``model.generate`` takes it (``eos_token_id``, ``pad_token_id``, ``min_p``, ``min_new_tokens``,
+    ``stop_strings``, ``no_repeat_ngram_size``, ``bad_words_ids``, ...); ``max_new_tokens`` may come from
+    ``generation_config`` too. Unknown names raise ``TypeError``; beam search and the fields that change what
+    ``model.generate`` returns (``return_dict_in_generate``, ``output_scores``, ...) raise ``NotImplementedError``.
 
     Batches: a left-padded ``input_ids`` [B, L] with its ``attention_mask`` runs one target pass per step for all
     rows (see the module docstring); each row's output equals what the row alone would give. ``.sequences`` is
@@ -82,8 +83,16 @@ def generate(
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     if input_ids.shape[0] == 0:
         raise ValueError("input_ids holds no rows")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    refused = sorted(key for key, value in generation_kwargs.items() if key in _OUTPUT_FIELDS and value)
+    if refused:
+        raise NotImplementedError(f"lookupdec.generate returns the sequences and its own stats "
+                                  f"(LookupOutput); {', '.join(refused)} is not supported")
+    if max_new_tokens is None:
+        max_new_tokens = getattr(generation_config, "max_new_tokens", None)
+    if max_new_tokens is None:
+        raise ValueError("max_new_tokens is required (as an argument or in generation_config)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     mask, lengths = left_padding(input_ids, attention_mask)
     if drafter is None:
         drafter = Drafter()
@@ -91,22 +100,35 @@ def generate(
         raise TypeError(f"drafter must be a LookupDrafter (or another lookupdec.drafter.Drafter), "
                         f"got {type(drafter).__name__}")
     job = Job(model, max_new_tokens, drafter,
-              dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+              dict(generation_kwargs, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                    repetition_penalty=repetition_penalty),
               generation_config, logits_processor, stopping_criteria, generator, tokenizer)
+    batch = input_ids.shape[0]
+    if streamer is not None and batch != 1:
+        raise ValueError("a streamer needs a batch of one (transformers' streamers do too)")
+    if trace is None:
+        traces = [None] * batch
+    elif isinstance(trace, (list, tuple)):
+        traces = list(trace)
+    elif batch == 1:
+        traces = [trace]
+    else:
+        raise ValueError(f"a batch of {batch} rows needs {batch} trace recorders (a list), got one")
+    if len(traces) != batch:
+        raise ValueError(f"a batch of {batch} rows needs {batch} trace recorders (a list), got {len(traces)}")
     with torch.inference_mode():
         started = time.perf_counter()
-        if input_ids.shape[0] == 1:
-            out = _generate(job, input_ids, int(lengths[0]), streamer, trace)
-        else:
-            if streamer is not None:
-                raise ValueError("a streamer needs a batch of one (transformers' streamers do too)")
-            out = generate_batch(job, input_ids, mask, lengths, trace)
+        out = generate_batch(job, input_ids, mask, lengths, traces, streamer)
     # The calibration is a one-time measurement, not generation: the stats leave it out.
     out.stats.total_seconds = time.perf_counter() - started - job.calibration_seconds
     for row in out.stats.rows:
         row.total_seconds = out.stats.total_seconds
     return out
+
+
+# model.generate arguments that change what it returns (scores, logits, a dict): lookupdec returns LookupOutput.
+_OUTPUT_FIELDS = frozenset({"return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                            "output_hidden_states"})
 
 
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple:
@@ -147,11 +169,12 @@ class Job:
         calibrate_or_warn(self.drafter, self.model, rows=rows)
         self.calibration_seconds += time.perf_counter() - t0
 
-    def resolve(self, prompt: torch.Tensor) -> Resolved:  # prompt [1, prompt_len]
+    def resolve(self, prompt: torch.Tensor, mask: torch.Tensor | None = None) -> Resolved:
+        """``prompt`` [1, width]: a row as model.generate gets it, left padding included; ``mask`` [1, width]."""
         return resolve_generation(
             self.model, prompt, max_new_tokens=self.max_new_tokens, generation_config=self.generation_config,
             logits_processor=self.logits_processor, stopping_criteria=self.stopping_criteria,
-            tokenizer=self.tokenizer, **self.overrides,
+            tokenizer=self.tokenizer, attention_mask=mask, **self.overrides,
         )
 
     def verifier(self, resolved: Resolved):
@@ -162,98 +185,3 @@ class Job:
             return lambda logits, draft, process, position=0: verify_sample(logits, draft, process,
                                                                             generator=generator)
         return lambda logits, draft, process, position=0: verify_greedy(logits, draft, process)
-
-
-def _generate(job: Job, input_ids: torch.Tensor, length: int, streamer, trace) -> LookupOutput:
-    model, max_new_tokens, drafter = job.model, job.max_new_tokens, job.drafter
-    device = input_device(model)  # drafts go where the model reads its input; logits are read where they are
-    # Batch of one: left padding carries no information; drop it and put it back in the output.
-    padding = input_ids.shape[1] - length
-    prompt = input_ids[:, padding:].to(device)
-    prompt_len = prompt.shape[1]
-    resolved = job.resolve(prompt)
-    stats = GenerationStats()
-
-    # seq holds prompt + committed tokens (and, during a step, the draft): processors and stopping criteria read
-    # prefixes of it. A draft never exceeds the remaining budget minus one, so this is enough room.
-    seq = torch.empty((1, prompt_len + max_new_tokens), dtype=torch.long, device=device)
-    seq[:, :prompt_len] = prompt
-    cur = prompt_len  # committed length
-    feed_host = host_buffer(drafter.drafter_config.max_draft + 1, device)  # [last token, draft...]
-
-    processors = resolved.processors
-
-    def process(pos: int, row: torch.Tensor) -> torch.Tensor:  # row [vocab] -> processed [vocab]
-        return processors(seq[:, : cur + pos].to(row.device), row[None, :].float())[0]
-
-    process_fn = process if len(processors) else None
-    pick = job.verifier(resolved)
-
-    cache = rollback_cache(model)
-    params = forward_params(model)
-
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-
-    job.calibrate()
-    session = drafter.start(prompt[0].cpu().numpy(), eos_ids=resolved.eos_ids)
-    t0 = time.perf_counter()
-    logits = target_forward(model, prompt, cache, 1, params)[0]  # [1, vocab]
-    synchronize(logits.device)
-    pass_seconds = time.perf_counter() - t0
-    stats.model_seconds += pass_seconds
-    stats.target_passes += 1
-    draft = np.zeros(0, dtype=np.int32)
-    verdict = pick(logits, draft, process_fn)
-    step_tokens = [verdict.token]
-    if trace is not None:
-        trace.start(prompt[0].tolist())
-    step_started = None
-    while True:
-        # Commit step_tokens (the previous pass's accepted tokens + its target token). The accepted tokens are in
-        # seq already (the draft was written there); the target's token goes after them.
-        n_new = len(step_tokens)
-        seq[0, cur + n_new - 1] = step_tokens[-1]
-        done, keep = resolved.stop(step_tokens, seq, cur, max_new_tokens - (cur - prompt_len))
-        committed = step_tokens[:keep]
-        cur += keep
-        stats.new_tokens += keep
-        if streamer is not None and committed:
-            streamer.put(torch.tensor(committed, dtype=torch.long))
-        if trace is not None:
-            trace.step(draft.tolist(), n_new - 1, step_tokens[-1], keep, pass_seconds)
-        if done:
-            break
-        t0 = time.perf_counter()
-        seconds = (t0 - step_started) if step_started is not None else None
-        session.commit(np.asarray(step_tokens, dtype=np.int32), seconds)
-        step_started = t0
-        # The bonus/recovered token always follows the draft, so the draft may use all but one of the budget.
-        draft = drafter.propose([session], [max_new_tokens - (cur - prompt_len) - 1])[0]
-        stats.draft_seconds += time.perf_counter() - t0
-        d = len(draft)
-        feed_host[0] = step_tokens[-1]
-        feed_host[1: d + 1] = torch.from_numpy(draft.astype(np.int64))
-        feed = feed_host[: d + 1].to(device, non_blocking=True)[None, :]  # [1, d + 1]: last committed + draft
-        seq[0, cur: cur + d] = feed[0, 1:]
-
-        t0 = time.perf_counter()
-        logits = target_forward(model, feed, cache, d + 1, params)[0]  # [d + 1, vocab]
-        synchronize(logits.device)
-        pass_seconds = time.perf_counter() - t0
-        stats.model_seconds += pass_seconds
-        stats.target_passes += 1
-
-        verdict = pick(logits, draft, process_fn)
-        stats.record(d, verdict.accepted)
-        # Drop the rejected positions. crop(0) is not a no-op: sliding-window layers release the past they kept
-        # in case of a rollback.
-        cache.crop(verdict.accepted - d)
-        step_tokens = draft[: verdict.accepted].tolist() + [verdict.token]
-    session.finish()
-    if streamer is not None:
-        streamer.end()
-    out = seq[:, :cur]
-    if padding:
-        out = torch.cat([input_ids[:, :padding].to(device), out], dim=1)
-    return LookupOutput(sequences=out.clone(), stats=stats)

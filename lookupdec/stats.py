@@ -20,8 +20,8 @@ class GenerationStats:
     draft_seconds: float = 0.0  # proposing drafts and updating the drafter
     model_seconds: float = 0.0  # target forward passes (prefill included)
     total_seconds: float = 0.0
-    # Batches: the figures of each row, in the order of input_ids. The totals above count each batched pass once
-    # (target_passes, model_seconds) and sum the rows' tokens. Empty for a batch of one.
+    # The figures of each row, in the order of input_ids (one for a batch of one). The totals above count each
+    # batched pass once (target_passes, model_seconds) and sum the rows' tokens.
     rows: list[GenerationStats] = field(default_factory=list)
 
     @property
@@ -60,3 +60,6 @@ class GenerationStats:
 class LookupOutput:
     sequences: torch.LongTensor  # [batch, prompt_len + new_tokens], like model.generate
     stats: GenerationStats
+    # Why each row ended, in the order of input_ids: "stop" (an EOS token, a stop string or a stopping criterion)
+    # or "length" (max_new_tokens), as OpenAI's API names them.
+    finish_reasons: list[str] = field(default_factory=list)

@@ -4,13 +4,11 @@ Rows of different lengths (left padding), drafts of different lengths, rows that
 and finish at different times (EOS inside drafts, budgets), the cache compaction, sampling per row, and bad input.
 """
 
-from collections import Counter
-
 import numpy as np
 import pytest
 import torch
+from helpers_sampling import ALPHA, STEPS, per_position_p
 from test_exactness import _plain, _prompts
-from test_sampling import ALPHA, STEPS, _pad, _plain_samples, _two_sample_p, peaky_model
 
 import lookupdec
 from lookupdec import LookupDrafter
@@ -119,35 +117,49 @@ def test_compaction_keeps_rows_exact(tiny_model, monkeypatch):
     assert max(slots) <= max(p.shape[1] for p in prompts) + 50 + 32
 
 
-def test_one_row_batch_equals_the_single_path(tiny_model):
+def test_two_identical_rows_equal_one_row_alone(tiny_model):
     prompt = _prompts(tiny_model, count=1, seed=3)[0]
     two = lookupdec.generate(tiny_model, prompt.repeat(2, 1), max_new_tokens=30)
     one = lookupdec.generate(tiny_model, prompt, max_new_tokens=30)
     assert two.sequences.tolist() == one.sequences.repeat(2, 1).tolist()
-    assert len(two.stats.rows) == 2 and one.stats.rows == []
+    assert len(two.stats.rows) == 2 and len(one.stats.rows) == 1
+    assert [row.new_tokens for row in two.stats.rows] == [one.stats.new_tokens] * 2
 
 
-def test_batched_sampling_follows_each_rows_distribution():
-    # Two different prompts, three copies each per call: each row's samples must be distributed like plain
-    # sampling of that prompt alone, with independent randomness per row.
-    model, prompt = peaky_model()
+def test_batched_sampling_follows_each_rows_distribution(peaky, plain_reference):
+    # Two different prompts, COPIES rows of each per call: each row's samples must be distributed like plain
+    # sampling of that prompt alone, and the rows of one call must draw independently of each other.
+    model, prompt = peaky
     other = prompt[:, 3:]  # a shorter prompt: the batch gets left padding
-    ids, mask = _left_pad([prompt, other, prompt, other, prompt, other], 2)
+    ids, mask = _left_pad([prompt, other] * COPIES, 2)
     gen = torch.Generator().manual_seed(7)
-    rows = {0: [], 1: []}
-    for _ in range(250):
+    calls = {0: [], 1: []}  # per prompt: per call, its COPIES samples [COPIES, STEPS]
+    for _ in range(CALLS):
         out = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=True,
                                  generator=gen, drafter=LookupDrafter(adaptive=False, use_cache=False))
-        for i, row in enumerate(out.sequences[:, ids.shape[1]:].tolist()):
-            rows[i % 2].append(row[:STEPS])
+        new = out.sequences[:, ids.shape[1]:].cpu()  # [2 * COPIES, <= STEPS]: rows that ended at EOS padded
+        new = torch.nn.functional.pad(new, (0, STEPS - new.shape[1]), value=2)  # as plain pads them
+        for which in (0, 1):
+            calls[which].append(new[which::2])
     for which, p in ((0, prompt), (1, other)):
-        plain = _plain_samples(model, p, 1500)
-        ours = _pad([[t for t in row] for row in rows[which]])
-        p_values = [_two_sample_p(Counter(plain[:, pos].tolist()), Counter(ours[:, pos].tolist()))
-                    for pos in range(STEPS)]
+        ours = torch.cat(calls[which])
+        p_values = per_position_p(plain_reference(p), ours)
         assert min(p_values) > ALPHA, (which, p_values)
-    # Rows with the same prompt in one call drew different samples somewhere: randomness is per row.
-    assert len({tuple(r) for r in rows[0]}) > 10
+        # Independence: two copies in one call are equal no more often than two samples from different calls
+        # (rows that shared their randomness would be equal in nearly every call).
+        within = np.mean([_equal_pairs(rows, rows) for rows in calls[which]])
+        across = np.mean([_equal_pairs(a, b) for a, b in zip(calls[which], calls[which][1:])])
+        assert within < across + 0.1, (which, within, across)
+
+
+COPIES, CALLS = 10, 60  # 600 samples per prompt, against plain's 6000 (helpers_sampling)
+
+
+def _equal_pairs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The fraction of pairs (row of a, another row of b) that are the same sample; a, b [COPIES, STEPS]."""
+    same = (a[:, None, :] == b[None, :, :]).all(-1)  # [COPIES, COPIES]
+    off = ~torch.eye(len(a), dtype=torch.bool)
+    return float(same[off].float().mean())
 
 
 def test_bad_batches_are_refused(tiny_model):
@@ -283,42 +295,34 @@ def test_a_cancelled_row_leaves_and_the_others_are_unchanged(tiny_model):
         assert rows[i].tokens.tolist() == _singles(tiny_model, [prompts[i]], 30)[0]
 
 
-def test_keyed_sampling_gives_a_seed_the_same_output_alone_batched_and_undrafted():
+def test_keyed_sampling_gives_a_seed_the_same_output_alone_batched_and_undrafted(peaky):
     # The server's sampling: the token at output position t is drawn at a uniform fixed by (seed, t), so what was
     # drafted and who shared the pass change nothing. Compared with the same rows decoded plainly (no drafts).
     from lookupdec.verify import verify_keyed
 
-    model, prompt = peaky_model()
+    model, prompt = peaky
     prompts = [prompt, prompt[:, 3:], prompt[:, 7:]]
 
     def keyed(seed):
         return lambda logits, draft, process, position: verify_keyed(logits, draft, process, seed, position)
 
     def run(batched, drafting):
+        """Each row's new tokens (row i sampled with seed 100 + i), and the drafted tokens kept in all rows."""
         drafter = LookupDrafter()
-        outputs = []
         with torch.inference_mode():
-            runs = [batch_module.BatchRun(model, drafter)] * (3 if batched else 1)
             rows = []
-            for i, prompt in enumerate(prompts):
-                row = _row(model, drafter, prompt, 40, pick=keyed(100 + i), do_sample=True, temperature=1.0)
+            for i, p in enumerate(prompts):
+                row = _row(model, drafter, p, 40, pick=keyed(100 + i), do_sample=True, temperature=1.0)
                 if not drafting:
                     row.session = NoDrafts()
                 rows.append(row)
-            if batched:
-                for row in rows:
-                    runs[0].join(row)
-                while runs[0].rows:
-                    runs[0].step()
-            else:
-                for row in rows:
-                    single = batch_module.BatchRun(model, drafter)
-                    single.join(row)
-                    while single.rows:
-                        single.step()
-            outputs = [row.tokens.tolist() for row in rows]
-            accepted = sum(row.stats.accepted_tokens for row in rows)
-        return outputs, accepted
+            for together in ([rows] if batched else [[row] for row in rows]):
+                run = batch_module.BatchRun(model, drafter)
+                for row in together:
+                    run.join(row)
+                while run.rows:
+                    run.step()
+        return [row.tokens.tolist() for row in rows], sum(row.stats.accepted_tokens for row in rows)
 
     plain, _ = run(batched=False, drafting=False)
     alone, accepted_alone = run(batched=False, drafting=True)
