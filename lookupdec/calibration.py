@@ -38,6 +38,7 @@ from ._fs import atomic_write, cache_dir
 from ._device import input_device
 from ._transformers import forward_params, rollback_cache, target_forward
 from .drafter import Drafter, DrafterConfig
+from .policy import Refinement
 
 _log = logging.getLogger(__name__)
 
@@ -48,10 +49,17 @@ ROUNDS = 1  # timing rounds over every measured length at least; the fastest is 
 SHORT = 3  # lengths up to this one get at least one more round: the curve is jagged there, and passes are cheap
 MAX_ROUNDS = 6  # rounds per length at most, while they fit in BUDGET_S
 BUDGET_S = 1.0  # seconds of timed rounds a fast model may spend on more samples (a first call waits for them)
+# Plausibility (implausible): no length cheaper than FLOOR plain steps, no short length dearer than SPIKE times a
+# longer one; a profile that fails is measured again, at most REMEASURE more times (each length's cheapest kept),
+# and one that still fails is used but not saved.
+FLOOR = 0.7
+SPIKE = 2.0
+REMEASURE = 2
 
 _memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(threads, device, dtype): profile}
 _memo_lock = threading.Lock()  # guards _memo and _key_locks only, never held while measuring
 _key_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {local key: Lock}
+_refinements: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {local key: Refinement}
 
 
 def calibrate(drafter: Drafter, model, *, rows: int = 1, refresh: bool = False, on_measure=None) -> np.ndarray:
@@ -64,8 +72,18 @@ def calibrate(drafter: Drafter, model, *, rows: int = 1, refresh: bool = False, 
     rows = drafter.batch_rows(rows)
     longest = drafter.drafter_config.max_draft if rows == 1 else min(drafter.drafter_config.max_draft, BATCH_DRAFT)
     profile = pass_costs(model, longest, rows=rows, refresh=refresh, on_measure=on_measure)
-    drafter.batch_cost(rows).use_profile(profile, source=model)
+    drafter.batch_cost(rows).use_profile(profile, source=model, refine=refinement(model, rows))
     return profile
+
+
+def refinement(model, rows: int = 1) -> Refinement:
+    """The one :class:`~lookupdec.policy.Refinement` of ``model``'s profile for passes of ``rows`` rows (at the
+    current thread count, device and dtype), shared by every drafter calibrated to it in this process: what the
+    passes of one request taught about the profile, the next request's drafter knows. Not saved: a profile on
+    disk is a measurement, and each process corrects it from its own passes."""
+    local = (torch.get_num_threads(), str(model.device), str(model.dtype), rows)
+    with _memo_lock:
+        return _refinements.setdefault(model, {}).setdefault(local, Refinement())
 
 
 def calibrate_or_warn(drafter: Drafter, model, on_measure=None, *, rows: int = 1) -> None:
@@ -117,11 +135,23 @@ def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows: int = 1
                       type(model).__name__, rows, path.parent)
             started = time.perf_counter()
             profile = measure_pass_costs(model, max_draft, rows=rows)
+            for _ in range(REMEASURE):
+                if implausible(profile) is None:
+                    break
+                _log.info("pass-cost profile of %s looks disturbed (%s); measuring again", type(model).__name__,
+                          implausible(profile))
+                profile = np.minimum(profile, measure_pass_costs(model, max_draft, rows=rows))
             _log.info("measured the pass-cost profile of %s (%d row(s)) in %.1f s: %s", type(model).__name__,
                       rows, time.perf_counter() - started, np.round(profile, 2).tolist())
-            _write(path, profile)
+            reason = implausible(profile)
+            if reason is None:
+                _write(path, profile)
+            else:  # used for this process only (the passes run refine it); the next start measures again
+                _log.warning("the pass-cost profile of %s still looks disturbed after %d measurements (%s): not "
+                             "saved; is the machine busy?", type(model).__name__, REMEASURE + 1, reason)
         with _memo_lock:
             _memo.setdefault(model, {})[local] = profile
+            _refinements.get(model, {}).pop(local, None)  # corrections of another profile do not carry over
         return profile[: max_draft + 1].copy()
 
 
@@ -178,6 +208,24 @@ def measure_pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows:
     if not np.all(np.isfinite(fastest)) or fastest.min() <= 0:
         raise ValueError(f"pass timings make no sense: {fastest.tolist()}")
     return np.interp(np.arange(max_draft + 1), lengths, fastest / fastest[0])
+
+
+def implausible(profile: np.ndarray) -> str | None:
+    """Why ``profile`` (relative costs by draft length, ``profile[0] == 1``) cannot be a quiet machine's pass-cost
+    curve, or None. A pass over more tokens is not much cheaper than a plain step (no length below
+    :data:`FLOOR`), and a short draft is not dearer than :data:`SPIKE` times a longer one (a CPU's curve is jagged
+    for 1-3 drafted tokens, by up to 1.4x between neighbours on this project's machine; a busy machine's
+    interference reads 4-8x: one profile priced one drafted token at 8.9 plain steps and two at 1.2)."""
+    profile = np.asarray(profile, dtype=np.float64)
+    low = int(np.argmin(profile[1:])) + 1 if profile.size > 1 else 0
+    if low and profile[low] < FLOOR:
+        return f"{low} drafted tokens priced at {profile[low]:.2f} plain steps"
+    cheapest_after = np.minimum.accumulate(profile[::-1])[::-1]  # the cheapest length from d on
+    for d in range(1, profile.size - 1):
+        if profile[d] > SPIKE * cheapest_after[d + 1]:
+            return (f"{d} drafted tokens priced at {profile[d]:.2f} plain steps, "
+                    f"a longer draft at {cheapest_after[d + 1]:.2f}")
+    return None
 
 
 def profile_key(model) -> str:

@@ -27,8 +27,8 @@ None of this can change what the target outputs: it only decides which tokens th
 
 The propose/commit driver. Every caller drafts the same way: :meth:`Drafter.propose` takes the sessions of the
 rows in one target pass and returns their drafts (one length for all rows: a pass is as wide as its longest
-draft), and :meth:`DraftSession.commit` records what each row appended after verification. The single-row loop,
-the batch loop, the ``assistant_model`` route and the research replays all go through these two calls.
+draft), and :meth:`DraftSession.commit` records what each row appended after verification. The decoding loop
+(one row or many), the ``assistant_model`` route and the research replays all go through these two calls.
 
 This module imports no torch and no transformers: ``assistant.py`` adds the surface transformers reads from an
 assistant model (``lookupdec.LookupDrafter``), and the loops (``loop.py``, ``batch.py``) join drafts to
@@ -101,6 +101,10 @@ class DrafterConfig:
             value = getattr(self, name)
             if type(value) is not bool:  # 0, 1, None or "no" are mistakes; bool cannot be subclassed
                 raise ValueError(f"{name} must be True or False, got {value!r}")
+        for name in ("max_draft", "min_n", "max_n", "cache_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 16.0 or True are mistakes
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if not 1 <= self.max_draft <= 256:
             raise ValueError(f"max_draft must be in [1, 256], got {self.max_draft}")
         if not 1 <= self.min_n <= self.max_n <= 16:
@@ -111,6 +115,12 @@ class DrafterConfig:
                 or not self.batch_slowdown >= 0:
             raise ValueError(f"batch_slowdown must be a number >= 0, got {self.batch_slowdown!r}")
 
+
+
+def new_cache(config: DrafterConfig) -> RollingCache:
+    """An empty rolling cache sized for a drafter with ``config``: ``cache_tokens`` tokens, matching its n-gram
+    sizes from bigrams on (unigram hits across unrelated requests are noise)."""
+    return RollingCache(max_tokens=config.cache_tokens, min_n=max(2, config.min_n), max_n=max(2, config.max_n))
 
 
 TokenSource = Union[str, Sequence[int], np.ndarray]
@@ -162,11 +172,14 @@ class Drafter:
     ):
         if config is not None and fields:
             raise TypeError("pass either a DrafterConfig or its fields as keywords, not both")
+        if config is not None and not isinstance(config, DrafterConfig):
+            raise TypeError(f"config must be a DrafterConfig, got {type(config).__name__}")
         self.drafter_config = config if config is not None else DrafterConfig(**fields)
         cfg = self.drafter_config
+        if cache is not None and not cfg.use_cache:
+            raise ValueError("a cache was passed with use_cache=False: drop one of them")
         if cache is None and cfg.use_cache:
-            # Unigram hits across unrelated requests are noise; the cache starts at bigrams.
-            cache = RollingCache(max_tokens=cfg.cache_tokens, min_n=max(2, cfg.min_n), max_n=max(2, cfg.max_n))
+            cache = new_cache(cfg)
         self.cache = cache if cfg.use_cache else None
         self.references = [_as_tokens(ref, tokenizer) for ref in (references or [])]
         self.vocab_size = vocab_size
@@ -232,10 +245,14 @@ class Drafter:
         if not cfg.adaptive or longest == 0:
             return longest
         margin = cfg.margin(must_draft)
-        costs = self.batch_cost(len(offers)).costs(longest)
+        cost = self.batch_cost(len(offers))
+        costs = cost.costs(longest)
         if len(offers) == 1:
-            return best_draft_length(offers[0].first, offers[0].then, costs, margin=margin)
-        return best_batch_length(offers, costs, margin=margin, slowdown=cfg.slowdown(must_draft))
+            length = best_draft_length(offers[0].first, offers[0].then, costs, margin=margin)
+        else:
+            length = best_batch_length(offers, costs, margin=margin, slowdown=cfg.slowdown(must_draft))
+        # A calibrated profile learns from the passes run; now and then it asks for one it would not choose.
+        return cost.probe(length, longest) if cfg.guard and not must_draft else length
 
     def observe(self, rows: int, drafted: int, seconds: float) -> None:
         """Feed the cost fit: a pass over ``rows`` rows, ``drafted`` positions wide beyond each row's last token,

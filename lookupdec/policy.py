@@ -140,10 +140,13 @@ class PassCost:
         self._draft = np.zeros(5)  # weight, sum d, sum t, sum d*d, sum d*t over d >= 1
         self._profile = None  # measured relative cost per draft length, when calibrated
         self._source = None  # weak reference to the model lookupdec.calibrate measured the profile on
+        self._refinement: Refinement | None = None  # what the passes taught about the profile, when refined
         self._lock = threading.Lock()
 
     def observe(self, draft_len: int, seconds: float) -> None:
         d, t = float(draft_len), float(seconds)
+        if not (np.isfinite(t) and t > 0):
+            return
         with self._lock:
             if draft_len == 0:
                 self._plain *= self._KEEP
@@ -151,34 +154,50 @@ class PassCost:
             else:
                 self._draft *= self._KEEP
                 self._draft += (1.0, d, t, d * d, d * t)
+        profile, refinement = self._profile, self._refinement
+        if refinement is not None and profile is not None:
+            refinement.observe(draft_len, t, _extended(profile, draft_len)[draft_len])
 
     def costs(self, available: int) -> np.ndarray:
         """Relative time of a pass with ``d`` drafted tokens, ``d = 0 .. available`` (``costs[0] == 1``): the
-        measured profile when one is set (:meth:`use_profile`), else the straight-line fit of :meth:`relative`."""
-        profile = self._profile
+        measured profile when one is set (:meth:`use_profile`), corrected by what the passes run taught when it
+        came from a calibration (:class:`Refinement`); else the straight-line fit of :meth:`relative`."""
+        profile, refinement = self._profile, self._refinement
         if profile is None:
             return linear_costs(*self.relative(), available)
-        if available < profile.size:
-            return profile[: available + 1].copy()
-        # Past the measured lengths: the slope of the profile's last quarter, which is where it is straight.
-        last = profile.size - 1
-        ref = max(1, last - max(1, last // 4))
-        slope = max((profile[last] - profile[ref]) / (last - ref), 0.0) if last > ref else 0.0
-        return np.concatenate([profile, profile[last] + slope * np.arange(1, available - last + 1)])
+        costs = _extended(profile, available)[: available + 1].copy()
+        if refinement is not None:
+            costs *= refinement.factors(available)
+        return costs
 
-    def use_profile(self, profile, source=None) -> None:
+    def probe(self, chosen: int, longest: int) -> int:
+        """The draft length to run instead of the policy's pick (:meth:`Refinement.probe`); ``chosen`` unless the
+        profile is refined."""
+        refinement = self._refinement
+        if refinement is None or self._profile is None:
+            return chosen
+        return refinement.probe(chosen, longest)
+
+    def use_profile(self, profile, source=None, *, refine=None) -> None:
         """Price drafts with ``profile[d]``, the measured time of a pass with ``d`` drafted tokens relative to a
         plain step; ``None`` goes back to the online straight-line fit. Beyond the profile's last length the cost
         grows by the slope of its last quarter. ``source`` is the model ``lookupdec.calibrate`` measured it on
-        (``None``: set by hand, and then ``lookupdec.generate`` leaves it alone)."""
+        (``None``: set by hand, and then ``lookupdec.generate`` leaves it alone). ``refine``: a
+        :class:`Refinement` to correct the profile with (``lookupdec.calibrate`` passes the one every drafter of
+        that model and setting shares), ``True`` for one of its own, ``False`` for none; by default one of its
+        own when ``source`` is given. A refined profile measured while the machine was busy, or saved on a machine
+        whose load has since changed, heals within a few dozen passes."""
         if profile is None:
-            self._profile, self._source = None, None
+            self._profile, self._source, self._refinement = None, None, None
             return
         profile = np.asarray(profile, dtype=np.float64)
         if profile.ndim != 1 or profile.size < 2 or not np.all(np.isfinite(profile)) or profile.min() <= 0:
             raise ValueError(f"a pass-cost profile is a 1-D array of >= 2 positive costs, got {profile!r}")
+        if refine is None:
+            refine = source is not None
         self._profile = profile / profile[0]
         self._source = weakref.ref(source) if source is not None else None
+        self._refinement = refine if isinstance(refine, Refinement) else Refinement() if refine else None
 
     @property
     def profile(self) -> np.ndarray | None:
@@ -214,6 +233,84 @@ class PassCost:
         return max(t1 / t0 - 1.0, 0.0), slope / t0
 
 
+class Refinement:
+    """What the passes run taught about a measured pass-cost profile (:meth:`PassCost.use_profile`): per band of
+    draft lengths (1, 2, 3, 4-7, 8-15, ...), the mean of ``seconds / profile[d]`` over the band's passes, and the
+    mean time of a plain step, both forgotten at :attr:`KEEP` per pass of their kind. ``lookupdec.calibrate`` keeps
+    one per model and setting, shared by every drafter calibrated to it, so what one request taught the next one
+    knows (``lookupdec.generate`` without a drafter makes a new drafter each call). Thread-safe."""
+
+    KEEP = 0.9  # forgetting per pass of a kind: a few dozen passes, so a wrong profile heals fast
+    DEAD_BAND = 1.25  # a band's factor within [1 / this, this] is taken as 1 (see factors)
+    CLIP = 8.0  # factors stay within [1 / this, this]
+
+    def __init__(self):
+        self._near = np.zeros((2, _band(1 << 16) + 1))  # per band: weight, sum of seconds / profile[d]
+        self._base = np.zeros(2)  # weight, sum of plain-step seconds
+        self._lock = threading.Lock()
+
+    def observe(self, draft_len: int, seconds: float, priced: float) -> None:
+        """A pass with ``draft_len`` drafted tokens took ``seconds``; the profile prices it at ``priced`` plain
+        steps."""
+        with self._lock:
+            if draft_len == 0:
+                self._base *= self.KEEP
+                self._base += (1.0, seconds)
+            else:
+                band = _band(draft_len)
+                self._near[:, band] *= self.KEEP
+                self._near[:, band] += (1.0, seconds / priced)
+
+    def factors(self, available: int) -> np.ndarray:
+        """Per draft length ``0 .. available``, the factor on the profile's price: a band's mean ``seconds /
+        profile[d]`` against the mean plain step. A band not yet observed takes the factor of the nearest one
+        that was (a profile measured on a loaded machine is off by a similar factor at every length); all ones
+        until a plain step and a drafted pass have been seen. Within :attr:`DEAD_BAND` of 1 the measurement
+        stands: a profile measured on a busy machine is off by a large factor, while the passes' own noise
+        (contexts longer than the profile's, load that comes and goes) would otherwise move drafts priced right."""
+        factors = np.ones(available + 1)
+        with self._lock:
+            base_w, base_t = self._base
+            weights, sums = self._near.copy()
+        seen = np.flatnonzero(weights >= 1.0)
+        if base_w < 1.0 or seen.size == 0 or available < 1:
+            return factors
+        found = np.clip(sums[seen] / weights[seen] / (base_t / base_w), 1 / self.CLIP, self.CLIP)
+        found[(found > 1 / self.DEAD_BAND) & (found < self.DEAD_BAND)] = 1.0
+        bands = np.array([_band(d) for d in range(1, available + 1)])
+        factors[1:] = found[np.abs(bands[:, None] - seen[None, :]).argmin(axis=1)]
+        return factors
+
+    def probe(self, chosen: int, longest: int) -> int:
+        """The draft length to run instead of ``chosen`` (the policy's pick; ``longest``: the longest on offer) so
+        that the profile gets the passes it is corrected from: where it says no draft pays, a length whose band was
+        never run is run once, once a plain step has been timed (a profile priced too dear would otherwise never be
+        contradicted: measured, one priced 6x too dear drafted nothing, 1.0 tokens per pass on a copy-heavy edit).
+        At most one pass per band; ``chosen`` otherwise."""
+        if chosen or longest < 1:
+            return chosen
+        with self._lock:
+            base_w, weight = self._base[0], self._near[0, _band(longest)]
+        return longest if base_w >= 1.0 and weight < 1.0 else chosen
+
+
+def _extended(profile: np.ndarray, available: int) -> np.ndarray:
+    """A profile to length ``available`` at least: past its measured lengths, the slope of its last quarter
+    (where it is straight)."""
+    if available < profile.size:
+        return profile
+    last = profile.size - 1
+    ref = max(1, last - max(1, last // 4))
+    slope = max((profile[last] - profile[ref]) / (last - ref), 0.0) if last > ref else 0.0
+    return np.concatenate([profile, profile[last] + slope * np.arange(1, available - last + 1)])
+
+
+def _band(d: int) -> int:
+    """The band of draft length ``d >= 1`` a profile's correction is kept for: 1, 2, 3, then 4-7, 8-15, 16-31, ...
+    (lengths whose passes cost alike)."""
+    return d - 1 if d < 4 else int(d).bit_length()
+
+
 def linear_costs(jump: float, slope: float, available: int) -> np.ndarray:
     """Relative pass times ``1`` for ``d == 0`` and ``1 + jump + slope * d`` for ``d = 1 .. available``."""
     costs = 1.0 + jump + slope * np.arange(available + 1, dtype=np.float64)
@@ -234,14 +331,20 @@ def best_draft_length(first: float, then: float, costs: Sequence[float], *, marg
     length bounds the draft). Expected tokens for ``d`` drafted: ``1 + first * (1 + then + ... + then^(d-1))``
     (the 1 is the target's own token). Measured costs need not grow with ``d`` (on this project's CPU a pass of 3
     drafted tokens is cheaper than one of 2), so every length is weighed."""
-    costs = cost_curve(costs)
-    available = costs.size - 1
-    if available < 1:
+    gains = draft_gains(first, then, costs)[1:]
+    if gains.size < 1:
         return 0
-    tokens = 1.0 + first * np.cumsum(then ** np.arange(available, dtype=np.float64))
-    gains = tokens / costs[1:]
     best = int(np.argmax(gains))  # the shortest of equal bests
     return best + 1 if gains[best] > 1.0 + margin else 0
+
+
+def draft_gains(first: float, then: float, costs: Sequence[float]) -> np.ndarray:
+    """``gains[d]``, tokens per unit of time with ``d`` drafted tokens relative to a plain step, for ``d = 0 ..
+    len(costs) - 1``: expected tokens ``1 + first * (1 + then + ... + then^(d-1))`` over ``costs[d]``. What
+    :func:`best_draft_length` maximizes."""
+    costs = cost_curve(costs)
+    tokens = 1.0 + first * np.concatenate([[0.0], np.cumsum(then ** np.arange(costs.size - 1, dtype=np.float64))])
+    return tokens / costs
 
 
 @dataclass(frozen=True)

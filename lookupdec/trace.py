@@ -7,7 +7,7 @@ each pass plain. In a notebook the recorder displays itself (``_repr_html_``); `
 self-contained page (this is what ``lookupdec reformat --trace out.html`` writes).
 
 Two plot helpers (matplotlib, imported only when called): :func:`plot_tokens_per_pass`, and
-:func:`plot_expected_speedup`, the drafter's cost model (``best_draft_length`` in ``drafter.py``) evaluated at the
+:func:`plot_expected_speedup`, the drafter's cost model (``best_draft_length`` in ``policy.py``) evaluated at the
 acceptance the trace measured, with the run itself marked.
 
 Vocabulary, as in ``verify.py`` and ``loop.py``: a *pass* is one forward of the target model. A pass that checked a
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ._fs import atomic_write
 from .drafter import DrafterConfig
-from .policy import PassCost, linear_costs
+from .policy import PassCost, draft_gains, linear_costs
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class RequestTrace:
 
 class TraceSummary:
     """Counts over a list of steps. Tokens per pass includes each pass's own target token and the prefill, as
-    :class:`~lookupdec.loop.GenerationStats` counts them; the acceptance rates are those the drafter estimates
-    (``drafter._Acceptance``): ``first``, the share of drafts whose first token was accepted, and ``then``, the
+    :class:`~lookupdec.stats.GenerationStats` counts them; the acceptance rates are those the drafter estimates
+    (``policy.Acceptance``): ``first``, the share of drafts whose first token was accepted, and ``then``, the
     chance that each further draft token was accepted given the ones before it were."""
 
     def __init__(self, steps: Sequence[TraceStep]):
@@ -259,10 +259,9 @@ def plot_tokens_per_pass(traces: Traces, ax=None, *, window: int = 8):
 
 def expected_speedup(first: float, then: float, costs: Sequence[float], draft_len: int) -> float:
     """Tokens per unit of time for drafts of ``draft_len`` tokens, relative to plain decoding: the quantity
-    :func:`lookupdec.drafter.best_draft_length` maximizes. Expected tokens ``1 + first * (1 + then + ... +
-    then^(d-1))``; time ``costs[d]`` plain steps (``costs[0] == 1``)."""
-    tokens = 1.0 + first * sum(then**k for k in range(draft_len))
-    return tokens / float(costs[draft_len])
+    :func:`lookupdec.policy.best_draft_length` maximizes (:func:`lookupdec.policy.draft_gains`); time
+    ``costs[d]`` plain steps (``costs[0] == 1``)."""
+    return float(draft_gains(first, then, list(costs)[: draft_len + 1])[draft_len])
 
 
 def plot_expected_speedup(trace: TraceRecorder, drafter=None, ax=None, *, first: float | None = None,

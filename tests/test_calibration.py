@@ -231,3 +231,107 @@ def test_calibration_happens_after_the_input_checks_and_outside_the_stats(tiny_f
     out = lookupdec.generate(model, torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=3)
     assert measured == [model]
     assert out.stats.total_seconds < 0.5  # the one-time measurement is not generation time
+
+
+# --- a profile measured on a busy machine: checked before it is saved, refined by the passes that run ----------
+
+
+def test_an_implausible_profile_is_measured_again_and_not_saved(tiny_factory, cache_dir, monkeypatch, caplog):
+    spiky = np.array([1.0, 8.91, 1.19, 1.41, 1.15, 1.3, 1.4, 1.5, 1.6])  # one drafted token at 8.9 steps, two at 1.2
+    calls = []
+
+    def measure(model, max_draft, rows=1):
+        calls.append(max_draft)
+        return spiky.copy()
+
+    monkeypatch.setattr(cal, "measure_pass_costs", measure)
+    profile = cal.pass_costs(tiny_factory("llama"), 8)
+    assert len(calls) == 1 + cal.REMEASURE
+    assert profile.tolist() == spiky.tolist()  # still used by this process (the passes refine it)
+    assert not list(cache_dir.glob("*.json"))
+    assert "still looks disturbed" in caplog.text
+
+
+def test_a_disturbed_measurement_is_repaired_by_measuring_again_then_saved(tiny_factory, cache_dir, monkeypatch):
+    spiky = np.array([1.0, 8.91, 1.19, 1.41, 1.15, 1.3, 1.4, 1.5, 1.6])
+    quiet = np.array([1.0, 1.5, 1.6, 1.41, 1.15, 1.3, 1.4, 1.5, 1.6])
+    answers = [spiky, quiet]
+    monkeypatch.setattr(cal, "measure_pass_costs", lambda model, max_draft, rows=1: answers.pop(0).copy())
+    profile = cal.pass_costs(tiny_factory("llama"), 8)
+    expected = np.minimum(spiky, quiet).tolist()  # each length's cheapest of the two
+    assert profile.tolist() == expected and not answers
+    saved = json.loads(next(cache_dir.glob("*.json")).read_text())["profile"]
+    assert saved == expected
+
+
+@pytest.mark.parametrize("profile, reason", [
+    ([1.0, 8.91, 1.19, 1.41, 1.15], "1 drafted tokens priced at 8.91"),
+    ([1.0, 0.5, 1.85, 1.43, 1.19], "priced at 0.50"),
+    ([1.0, 1.02, 1.05, 1.54, 1.58], None),  # SmolLM2 on the benchmark machine, one thread
+    ([1.0, 2.0, 1.5, 1.6, 1.7], None),  # jagged where a CPU's math library is
+    ([1.0, 2.71, 3.02, 2.32, 4.25], None),  # dear everywhere (measured under load): only the passes can tell
+])
+def test_what_counts_as_implausible(profile, reason):
+    found = cal.implausible(np.array(profile))
+    assert (found is None) if reason is None else (reason in found)
+
+
+def _true_profile(n: int = 33) -> np.ndarray:
+    return np.array([1.0, 1.5, 2.0, 1.5, 1.6] + [1.6 + 0.05 * d for d in range(1, n - 4)])
+
+
+def test_a_profile_priced_six_times_too_dear_heals_from_the_passes_observed():
+    true = _true_profile()
+    wrong = true.copy()
+    wrong[1:] *= 6
+    cost = lookupdec.drafter.PassCost()
+    cost.use_profile(wrong, refine=True)
+    assert cost.costs(8)[1] == pytest.approx(9.0)
+    plain = 0.05
+    for _ in range(3):
+        cost.observe(0, plain)
+    assert cost.costs(8).tolist() == pytest.approx(wrong[:9].tolist())  # no drafted pass seen yet: as measured
+    cost.observe(32, plain * true[32])  # one long draft, at its true cost
+    assert cost.costs(32).tolist() == pytest.approx(true.tolist())  # every length corrected by the same factor
+    for _ in range(20):  # then two-token drafts, on a machine that got slower for them
+        cost.observe(2, plain * true[2] * 1.5)
+    healed = cost.costs(32)
+    assert healed[2] == pytest.approx(true[2] * 1.5, rel=0.05)
+    assert healed[32] == pytest.approx(true[32])  # a band keeps its own factor
+
+
+def test_a_profile_set_by_hand_is_not_refined_and_a_new_profile_starts_afresh():
+    cost = lookupdec.drafter.PassCost()
+    cost.use_profile([1.0, 3.0, 3.0])  # by hand: the caller knows better
+    cost.observe(0, 0.05)
+    cost.observe(1, 0.05)
+    assert cost.costs(2).tolist() == [1.0, 3.0, 3.0]
+    cost.use_profile([1.0, 3.0, 3.0], refine=True)
+    cost.observe(1, 0.05)
+    assert cost.costs(2).tolist() == [1.0, 3.0, 3.0]  # the plain step of the old profile was forgotten
+    cost.observe(0, 0.05)
+    assert cost.costs(2).tolist() == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_the_passes_refine_a_calibrated_profile_for_every_drafter_of_the_model(cache_dir, peaky, monkeypatch):
+    model, prompt = peaky
+    true = _true_profile(9)
+    dear = true.copy()
+    dear[1:] *= 6  # measured on a busy machine, say
+    monkeypatch.setattr(cal, "measure_pass_costs", lambda model, max_draft, rows=1: dear[: max_draft + 1].copy())
+    drafted = []
+
+    def observe(self, rows, width, _):  # each pass takes what the true curve says, whatever this machine does
+        drafted.append(width)
+        self.batch_cost(rows).observe(width, 0.05 * true[min(width, true.size - 1)])
+
+    monkeypatch.setattr(lookupdec.drafter.Drafter, "observe", observe)
+    first = LookupDrafter(max_draft=8, use_cache=False)
+    lookupdec.generate(model, prompt[:, :8], max_new_tokens=40, drafter=first)
+    assert first.cost.profile.tolist() == pytest.approx(dear.tolist())  # the measurement itself is kept
+    assert any(drafted)  # a probe ran a draft the dear profile would never have run
+    healed = first.cost.costs(8)
+    assert healed.tolist() == pytest.approx(true.tolist())
+    second = LookupDrafter(max_draft=8, use_cache=False)  # a later call's drafter knows it too
+    lookupdec.calibrate(second, model)
+    assert second.cost.costs(8).tolist() == pytest.approx(true.tolist())
