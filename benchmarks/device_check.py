@@ -979,7 +979,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/device_check"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny configs, a handful of tokens: under a minute")
     ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
-    ap.add_argument("--dtype", default="auto", help="curves and speed: auto (bfloat16 on cuda, else float32), ...")
+    ap.add_argument("--dtype", default="default", help="curves and speed: default (bfloat16 on cuda, else float32), auto (the checkpoint's), ...")
     ap.add_argument("--model", default="auto",
                     help="speed and vllm stages: auto (the embedded model if installed, else random weights with "
                          "its shapes), random, or anything lookupdec.models.load_model takes (a .gguf path, a folder)")

@@ -328,7 +328,7 @@ def main(argv=None):
     ap.add_argument("--report", type=Path, default=None,
                     help="re-render results.md and the plots from an existing results.json, without running")
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16")
+    ap.add_argument("--dtype", default="default", help="default (bf16 on CUDA, fp32 on CPU), auto (the checkpoint's), fp32, bf16, fp16")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's choice)")
     ap.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",

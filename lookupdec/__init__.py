@@ -24,6 +24,9 @@ _EXPORTS = {
     "NgramIndex": ("index", "NgramIndex"),
     "load_model": ("models", "load_model"),
     "TraceRecorder": ("trace", "TraceRecorder"),
+    "LookupdecError": ("errors", "LookupdecError"),
+    "ModelLoadError": ("models", "ModelLoadError"),
+    "CacheFileError": ("cache", "CacheFileError"),
 }
 
 __all__ = sorted(_EXPORTS)

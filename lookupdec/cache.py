@@ -52,6 +52,7 @@ import numpy as np
 import pygtrie
 
 from ._fs import atomic_write
+from .errors import LookupdecError
 
 __all__ = ["CacheConfig", "CacheFileError", "RollingCache"]
 
@@ -75,7 +76,7 @@ _POS_BITS = 48
 _POS_MASK = (1 << _POS_BITS) - 1
 
 
-class CacheFileError(ValueError):
+class CacheFileError(LookupdecError, ValueError):
     """A cache file is missing, corrupt or incompatible."""
 
 

@@ -25,6 +25,9 @@ from .reformat.run import (
 )
 from .reformat.validate import EXIT_REJECTED, ReformatError
 
+# --dtype: lookupdec's default pick, the checkpoint's own (transformers' "auto"), or a precision.
+DTYPE_CHOICES = ["default", "auto", "fp32", "bf16", "fp16"]
+
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
@@ -63,9 +66,10 @@ def main():
               help="Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct (offline).")
 @click.option("--device", default="auto", show_default=True, metavar="DEVICE",
               help="Where the model runs: auto (CUDA if available, else the CPU), cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
-              help="Model precision: auto is bf16 on CUDA and fp32 on the CPU. Outputs are token-identical to plain "
-                   "decoding in fp32; in bf16/fp16 they may differ from it at near-ties (see the README).")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="default", show_default=True,
+              help="Model precision: default is bf16 on CUDA and fp32 on the CPU; auto is the checkpoint's own, as "
+                   "in transformers. Outputs are token-identical to plain decoding in fp32; in bf16/fp16 they may "
+                   "differ from it at near-ties (see the README).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), metavar="N", default=None,
               help="Token budget per section; a file that needs more is processed in smaller sections. "
                    "Default: 1.5x each section's length + 32.")
@@ -172,8 +176,9 @@ Exit codes:
               help="Require 'Authorization: Bearer KEY' (default: $LOOKUPDEC_API_KEY; none if unset).")
 @click.option("--device", default="auto", show_default=True, metavar="DEVICE",
               help="auto (CUDA if available, else the CPU), cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
-              help="auto is bf16 on CUDA and fp32 on the CPU.")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="default", show_default=True,
+              help="default is bf16 on CUDA and fp32 on the CPU; auto is the checkpoint's own (on vLLM: vLLM's "
+                   "auto).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="SECONDS",
               help="On SIGTERM or Ctrl-C, how long requests in flight get to finish; those still running are then "
                    "answered with a 503 (a stream: an error event, then [DONE]).")

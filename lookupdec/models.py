@@ -48,6 +48,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
@@ -55,6 +56,7 @@ from urllib.parse import urlparse
 import torch
 
 from ._fs import atomic_write, cache_dir
+from .errors import LookupdecError
 
 if TYPE_CHECKING:  # transformers takes ~1 s to import; cache_dir() and the path helpers should not pay it
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -62,7 +64,7 @@ if TYPE_CHECKING:  # transformers takes ~1 s to import; cache_dir() and the path
 logger = logging.getLogger(__name__)
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(LookupdecError):
     """One-line, user-facing reason a model could not be loaded."""
 
 
@@ -138,37 +140,61 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA (what models are served in there), float32 elsewhere (a CPU runs fp32 at
-    least as fast, and the exactness tests run in it); a name (``float32``/``fp32``, ``bfloat16``/``bf16``,
-    ``float16``/``fp16``) or a ``torch.dtype`` otherwise."""
+def resolve_dtype(dtype: str | torch.dtype | None = None, device: torch.device | None = None) -> torch.dtype | str:
+    """``None`` or ``"default"``: lookupdec's choice, bfloat16 on CUDA (what models are served in there) and float32
+    elsewhere (a CPU runs fp32 at least as fast, and the exactness guarantee is stated for it); ``"auto"``: the
+    checkpoint's own dtype, as transformers' ``dtype="auto"`` means (returned as ``"auto"``); a name
+    (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``) or a ``torch.dtype`` otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a torch.dtype or one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    if dtype == "auto":
+    if dtype is None or dtype == "default":
         return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a torch.dtype, None or one of default, auto, {', '.join(_DTYPES)}; "
+                        f"got {dtype!r}")
+    if dtype == "auto":
+        return "auto"
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")
+        raise ValueError(f"unknown dtype {dtype!r}; use default, auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 
 def load_model(
-    name: str | None = None, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-    progress: bool = False,
+    name: str | None = None, *, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
+    device_map=None, revision: str | None = None, trust_remote_code: bool = False, progress: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) for `name` (see the module docstring for how it is resolved), in eval mode.
 
-    `device`: `"auto"` (CUDA if available, else CPU), `"cpu"`, `"cuda"`, `"cuda:1"`, ... `dtype`: `"auto"`
-    (bfloat16 on CUDA, float32 on CPU), a name such as `"bf16"`, or a `torch.dtype`. GGUF conversions are cached
-    in float32 and cast on load, so one cache folder serves every dtype. `progress=True` prints short status lines
-    (and transformers' own bars) to stderr; by default the load is silent apart from `logging` warnings.
+    `device`: `"auto"` (CUDA if available, else CPU), `"cpu"`, `"cuda"`, `"cuda:1"`, ...; the weights are loaded
+    straight onto it. `device_map`: instead of `device`, transformers' placement (`"auto"`, `"balanced"`, a dict
+    of modules to devices, ...), passed on as given. `dtype`: `None` (lookupdec's default: bfloat16 on CUDA,
+    float32 elsewhere), `"auto"` (the checkpoint's own dtype, as in transformers), a name such as `"bf16"`, or a
+    `torch.dtype`. GGUF conversions are cached in float32 and cast on load, so one cache folder serves every
+    dtype (and their `"auto"` is float32). `revision` (a hub id's branch, tag or commit) and `trust_remote_code`
+    are passed to transformers' `from_pretrained`. `progress=True` prints short status lines (and transformers'
+    own bars) to stderr; by default the load is silent apart from `logging` warnings.
     Raises ModelLoadError, with a one-line message, when the model cannot be loaded.
     """
+    if device_map is not None and not (isinstance(device, str) and device == "auto"):
+        raise ValueError("pass device or device_map, not both")
+    if not isinstance(trust_remote_code, bool):
+        raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    model, tokenizer = _load(name, dtype, progress)
-    return model.to(device), tokenizer
+    place = _Placement(resolve_dtype(dtype, device), device_map if device_map is not None else str(device),
+                       revision, trust_remote_code)
+    return _load(name, place, progress)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """How the weights are loaded: dtype (a torch.dtype or "auto"), device_map (a device's name for one device),
+    and what from_pretrained takes beside them."""
+
+    dtype: object
+    device_map: object
+    revision: str | None = None
+    trust_remote_code: bool = False
+
 
 
 def model_folder(name: str | None = None, *, progress: bool = False) -> str:
@@ -181,7 +207,7 @@ def model_folder(name: str | None = None, *, progress: bool = False) -> str:
         return name
     folder = _converted_folder(gguf)
     if not (folder / "config.json").is_file():
-        del _load_gguf(gguf, torch.float32, progress)[0]
+        del _load_gguf(gguf, _Placement(torch.float32, "cpu"), progress)[0]
         if not (folder / "config.json").is_file():
             raise ModelLoadError(f"cannot convert {name!r} into {folder}: the cache folder is not writable")
     return str(folder)
@@ -205,25 +231,27 @@ def _converted_folder(gguf: Path) -> Path:
     return cache_dir() / "models" / _sha256_prefix(gguf)
 
 
-def _load(name: str | None, dtype: torch.dtype, progress: bool):
+def _load(name: str | None, place: _Placement, progress: bool):
     name = DEFAULT_MODEL if name is None else os.fspath(name)
     gguf = _gguf_of(name)
-    if gguf is not None:
-        return _load_gguf(gguf, dtype, progress)
     path = Path(name).expanduser()
+    if place.revision is not None and (gguf is not None or path.is_dir()):
+        raise ModelLoadError(f"cannot load model {name!r}: a revision applies to a hub id, not to a local model")
+    if gguf is not None:
+        return _load_gguf(gguf, place, progress)
     if path.is_dir():
-        return _load_folder(path, name, dtype, progress)
+        return _load_folder(path, name, place, progress)
     if _looks_like_path(name):
         raise ModelLoadError(f"cannot load model {name!r}: no such file or directory")
-    return _load_hub(name, dtype, progress)
+    return _load_hub(name, place, progress)
 
 
-def _load_gguf(gguf: Path, dtype: torch.dtype, progress: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_gguf(gguf: Path, place: _Placement, progress: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     folder = _converted_folder(gguf)
     if folder.is_dir():
         _say(progress, f"loading cached weights of {gguf.name} from {folder}")
         try:
-            return _load_pretrained(str(folder), dtype, progress, local_files_only=True)
+            return _load_pretrained(str(folder), place, progress, local_files_only=True)
         except Exception as err:  # truncated safetensors, missing tokenizer file, bad json, ...: rebuild it
             logger.warning("cached model %s is unreadable (%s); removing it and converting %s again",
                            folder, _one_line(err), gguf)
@@ -237,11 +265,16 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, progress: bool) -> tuple[PreTrain
     except OSError as err:  # read-only or full cache disk: still usable, just slow again next time
         logger.warning("cannot cache converted model in %s (%s); the next load will convert again",
                        folder, _one_line(err))
-        return model.to(dtype).eval(), tokenizer
+        if place.dtype != "auto":
+            model = model.to(place.dtype)
+        if isinstance(place.device_map, str) and place.device_map not in ("auto", "balanced", "balanced_low_0",
+                                                                          "sequential"):
+            model = model.to(place.device_map)  # one device; a placement over several needs the cached folder
+        return model.eval(), tokenizer
     del model  # read back from the cache below, so first and later loads return the very same weights
     _say(progress, f"cached converted weights in {folder}")
     try:
-        return _load_pretrained(str(folder), dtype, progress, local_files_only=True)
+        return _load_pretrained(str(folder), place, progress, local_files_only=True)
     except Exception as err:
         raise ModelLoadError(f"cannot read back the converted model from {folder}: {_one_line(err)}") from err
 
@@ -296,19 +329,19 @@ def _discard(folder: Path) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _load_folder(path: Path, name: str, dtype: torch.dtype, progress: bool):
+def _load_folder(path: Path, name: str, place: _Placement, progress: bool):
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         hint = f"; to load the GGUF file there, pass its path: {str(ggufs[0])!r}" if ggufs else ""
         raise ModelLoadError(f"cannot load model {name!r}: the folder has no config.json, "
                              f"so it is not a transformers model folder{hint}")
     try:
-        return _load_pretrained(str(path), dtype, progress, local_files_only=True)
+        return _load_pretrained(str(path), place, progress, local_files_only=True)
     except Exception as err:
         raise ModelLoadError(f"cannot load model {name!r}: {_one_line(err)}") from err
 
 
-def _load_hub(name: str, dtype: torch.dtype, progress: bool):
+def _load_hub(name: str, place: _Placement, progress: bool):
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -321,7 +354,7 @@ def _load_hub(name: str, dtype: torch.dtype, progress: bool):
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         # Downloaded before: load it offline, and report its own error if it fails, not the network's.
         try:
-            return _load_pretrained(name, dtype, progress, local_files_only=True)
+            return _load_pretrained(name, place, progress, local_files_only=True)
         except Exception as err:
             if constants.HF_HUB_OFFLINE:
                 raise ModelLoadError(f"cannot load model {name!r} from the Hugging Face cache: "
@@ -333,7 +366,7 @@ def _load_hub(name: str, dtype: torch.dtype, progress: bool):
                              f"unreachable ({reason})")
     _say(progress, f"downloading {name} from {constants.ENDPOINT}...")
     try:
-        return _load_pretrained(name, dtype, progress, local_files_only=False)
+        return _load_pretrained(name, place, progress, local_files_only=False)
     except Exception as err:
         raise ModelLoadError(f"cannot load model {name!r} from the hub: {_one_line(err)}") from err
 
@@ -351,17 +384,21 @@ def _hub_unreachable_reason(endpoint: str) -> str | None:
         return f"no connection to {url.hostname}:{port}: {_one_line(err)}"
 
 
-def _load_pretrained(source: str, dtype: torch.dtype, progress: bool, *, local_files_only: bool):
+def _load_pretrained(source: str, place: _Placement, progress: bool, *, local_files_only: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    hub = {"revision": place.revision} if place.revision is not None else {}
+    if place.trust_remote_code:
+        hub["trust_remote_code"] = True
     with _quiet(progress):
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only, **hub)
         except Exception as err:
             raise _StepError("cannot load its tokenizer", err) from err
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype, local_files_only=local_files_only, output_loading_info=True)
+                source, local_files_only=local_files_only, output_loading_info=True,
+                **(hub | {"dtype": place.dtype, "device_map": place.device_map}))
         except Exception as err:
             raise _StepError("cannot load it as a causal LM", err) from err
     # transformers fills weights absent from the checkpoint with random values and only logs it (a log that

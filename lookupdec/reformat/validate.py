@@ -28,6 +28,7 @@ from typing import Any
 import click
 import yaml
 
+from ..errors import LookupdecError
 from .yamldata import Tagged, diff, format_path, load, load_documents, same
 
 EXIT_REJECTED = 1  # the model's output was rejected; nothing was written (for that file)
@@ -36,7 +37,7 @@ EXIT_USAGE = 2  # the file, an option, an output path or the model cannot be use
 MAX_FILE_BYTES = 1 << 20  # 1 MiB of YAML is hours of generation on a CPU; refuse before loading the model
 
 
-class ReformatError(Exception):
+class ReformatError(LookupdecError):
     """Ends a run (or one file's part of it) with a message and the exit code that goes with it.
 
     ``causes``: with several files, the errors of the files that were rejected, which this one sums up.

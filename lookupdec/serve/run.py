@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache import RollingCache
-from ..drafter import Drafter, DrafterConfig
+from ..drafter import Drafter, DrafterConfig, new_cache
+from ..errors import LookupdecError
 from ..models import DEFAULT_MODEL, load_model
 
 _log = logging.getLogger(__name__)
 
 
-class ServeError(Exception):
+class ServeError(LookupdecError):
     """A server that cannot start (bad option, model that cannot be loaded, missing extra): one line."""
 
 
@@ -32,7 +33,7 @@ class ServeOptions:
     cache: Path | None = None
     api_key: str | None = None
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "default"
     drain_timeout: float = 30.0  # seconds the requests in flight get to finish at shutdown
     calibrate: bool = True  # measure the pass cost (once per machine); False: a straight-line fit learned online
 
@@ -122,5 +123,4 @@ def _load_cache(path: Path | None, say) -> RollingCache | None:
         cache = RollingCache.load(path)
         say(f"loaded the rolling cache from {path} ({len(cache)} tokens)")
         return cache
-    config = DrafterConfig()
-    return RollingCache(max_tokens=config.cache_tokens, min_n=max(2, config.min_n), max_n=max(2, config.max_n))
+    return new_cache(DrafterConfig())

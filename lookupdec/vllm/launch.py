@@ -15,6 +15,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from ..errors import LookupdecError
+
 # The longest draft vLLM reserves room for; the proposer's cost model picks each row's length up to it.
 MAX_DRAFT = 16
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -23,7 +25,7 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
-class LaunchError(Exception):
+class LaunchError(LookupdecError):
     """vLLM cannot be started with these options (one line)."""
 
 
@@ -34,17 +36,19 @@ class VllmOptions:
     port: int = 8000
     max_batch: int = 8
     api_key: str | None = None
-    dtype: str = "auto"
+    dtype: str = "default"
     max_draft: int = MAX_DRAFT
     extra: list = field(default_factory=list)  # vLLM's own arguments, passed as given
 
 
 def vllm_dtype(dtype: str, cpu: bool) -> str:
-    """vLLM's name for ``--dtype``. ``auto`` means what it means for lookupdec's own engine, bf16 on CUDA and fp32
-    on the CPU, not vLLM's ``auto``, which runs an fp32 checkpoint in bf16 on a CPU too (and so parts from fp32
-    plain decoding at near-ties of bf16's size)."""
-    if dtype == "auto":
+    """vLLM's name for ``--dtype``. ``default`` means what it means for lookupdec's own engine, bf16 on CUDA and
+    fp32 on the CPU; ``auto`` is vLLM's own ``auto`` (which runs an fp32 checkpoint in bf16 on a CPU too, and so
+    parts from fp32 plain decoding at near-ties of bf16's size)."""
+    if dtype == "default":
         return "float32" if cpu else "bfloat16"
+    if dtype == "auto":
+        return "auto"
     return _DTYPES[dtype]
 
 
