@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models of two architectures, and the embedded real model.
+"""Shared fixtures: tiny random-weight models of two architectures, the peaky model the sampling tests share with
+plain sampling's reference samples of it, and the embedded real model.
 
 ``LOOKUPDEC_TEST_DEVICE`` (default ``cpu``) and ``LOOKUPDEC_TEST_DTYPE`` (default ``float32``) put the tiny models
 on another device or in another dtype, so the exactness tests run there too::
@@ -118,6 +119,34 @@ def tiny_model(request):
 @pytest.fixture(scope="session")
 def tiny_factory():
     return _tiny
+
+
+@pytest.fixture(scope="session")
+def peaky():
+    """(model, prompt): a small random llama whose next-token distributions are peaky but not deterministic, and a
+    prompt that is the model's own greedy cycle, so lookup drafts are accepted often and rejected sometimes."""
+    model = _tiny("llama", vocab_size=24, seed=1, peak=40.0)
+    head = torch.tensor([[5, 9, 4, 17]])
+    cont = model.generate(head, attention_mask=torch.ones_like(head), max_new_tokens=40, do_sample=False)
+    return model, cont[:, :40]
+
+
+@pytest.fixture(scope="session")
+def plain_reference(peaky):
+    """``samples(prompt, **warpers)``: plain sampling's reference samples of the peaky model after ``prompt``
+    ([PLAIN_SAMPLES, STEPS], helpers_sampling), computed once per prompt and setting in a session."""
+    from helpers_sampling import PLAIN_SAMPLES, plain_samples
+
+    model, _ = peaky
+    memo = {}
+
+    def samples(prompt, **warpers):
+        key = (tuple(prompt[0].tolist()), tuple(sorted(warpers.items())))
+        if key not in memo:
+            memo[key] = plain_samples(model, prompt, PLAIN_SAMPLES, **warpers)
+        return memo[key]
+
+    return samples
 
 
 @pytest.fixture(scope="session")

@@ -89,6 +89,7 @@ class StubEngine:
         self.context = context
         self.close_fence = True  # False: answers run out of budget before closing their fenced block
         self.sections = []  # the sections asked for, in order
+        self.streamed = []  # (new tokens, passes) the streamer was given for each request, the prompt left out
         self.prepared = False
 
     def count_tokens(self, text):
@@ -106,8 +107,10 @@ class StubEngine:
         if streamer is not None:
             streamer.start_request()
             streamer.put(_Tokens(10))  # the prompt, skipped
-            for line in body.splitlines():
-                streamer.put(_Tokens(len(line.split()) or 1))
+            passes = [len(line.split()) or 1 for line in body.splitlines()]
+            for n in passes:
+                streamer.put(_Tokens(n))
+            self.streamed.append((sum(passes), len(passes)))
         return Completion(answer, tuple(range(len(body.split()))), len(body.splitlines()), 0.0)
 
 
@@ -300,7 +303,7 @@ def test_model_loading_shows_progress_unless_quiet(here, monkeypatch, flags, pro
 
     monkeypatch.setattr(models, "load_model", load_model)
     result = run("reformat", "service.yaml", "--model", "org/none", *flags)
-    assert calls == [("org/none", {"device": "auto", "dtype": "auto", "progress": progress})]
+    assert calls == [("org/none", {"device": "auto", "dtype": "default", "progress": progress})]
     assert (result.exit_code, result.stderr) == (2, "error: cannot load model 'org/none': not in the local cache\n")
 
 
@@ -591,11 +594,15 @@ def test_quiet_prints_only_the_result(here, stub):
 
 
 def test_summary_counts_tokens_and_passes(here, stub):
-    result = run("reformat", "service.yaml", "-i", "change the port")
-    # The stub's answer for the whole file: 36 words on 17 lines, one pass per line.
-    assert summary(result.stderr)[:3] == (36, 17, 2.12)
-    assert result.stderr.endswith("note: the data is unchanged (right for an edit of formatting or comments; "
-                                  "otherwise the model did not apply the instruction)\n")
+    # The summary adds up what the engine streamed for every section: new tokens, target passes (one per put()
+    # after the prompt's) and their ratio. Four sections here, so a count that missed a section, or took a
+    # prompt for a pass, would not add up.
+    result = run("reformat", "service.yaml")
+    assert result.exit_code == 0
+    tokens, passes, per_pass, sections, kept = summary(result.stderr)
+    assert (sections, kept) == (4, 0) and len(stub.streamed) == 4
+    assert (tokens, passes) == (sum(t for t, _ in stub.streamed), sum(p for _, p in stub.streamed))
+    assert per_pass == float(f"{tokens / passes:.2f}")
 
 
 # --------------------------------------------------------------------------------------------------------------

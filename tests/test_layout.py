@@ -119,3 +119,16 @@ def test_untested_transformers_versions_fail_clearly(monkeypatch):
         warnings.simplefilter("always")
         _transformers._check_version("6.0.0")
     assert any("continuing" in str(w.message) for w in caught)
+
+
+def test_product_tests_import_no_benchmark_or_research_code():
+    # Tests assert what the library does; the studies and benchmarks test themselves (benchmarks/, research/).
+    tests = Path(__file__).resolve().parent
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0] in ("benchmarks", "research")]
+    assert tests.name == "tests" and len(list(tests.glob("test_*.py"))) > 10  # the walk found the suite
+    assert offenders == []

@@ -10,6 +10,7 @@ requests in flight and saves the rolling cache.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import signal
@@ -326,30 +327,79 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(client, server, monk
     assert result["text"] == solo
 
 
+def _resident_mib() -> float:
+    """This process's resident memory (the server runs in it, on a thread)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _HeapHole:
+    """``mib`` MiB of glibc's heap allocated in small blocks, written to (so resident), then freed, all but the
+    last block: free memory below a block still in use, which ``free`` cannot return to the system and only
+    ``malloc_trim`` does (glibc trims every thread's arena). What a server's freed caches leave behind."""
+
+    def __init__(self, mib: int = 64, block: int = 32 << 10):  # 32 KiB: below glibc's mmap threshold
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            pytest.skip("needs glibc's malloc_trim")
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        self.libc = libc
+        blocks = [libc.malloc(block) for _ in range((mib << 20) // block)]
+        for address in blocks:
+            ctypes.memset(address, 1, block)
+        self.pin = blocks.pop()
+        for address in blocks:
+            libc.free(address)
+
+    def close(self):
+        self.libc.free(self.pin)
+
+
+def _watch(url, seconds=60) -> list:
+    """(resident MiB, rows running) every 50 ms until no row runs, and for half a second more; the memory is read
+    before the rows, so a reading taken while a row ran says a row runs."""
+    seen, idle_since, deadline = [], None, time.monotonic() + seconds
+    with httpx.Client(base_url=url, timeout=10) as http:
+        while idle_since is None or time.monotonic() < idle_since + 0.5:
+            assert time.monotonic() < deadline, "the request did not finish"
+            seen.append((round(_resident_mib()), http.get("/health").json()["running"]))
+            if seen[-1][1] == 0 and idle_since is None:
+                idle_since = time.monotonic()
+            time.sleep(0.05)
+    return seen
+
 
 def test_the_engine_hands_freed_heap_back_while_busy_and_once_idle(client, server, monkeypatch):
-    # Freed KV-cache memory is returned to the system at most once a second during a request (so a long-running
-    # server's resident size stays flat) and once more when the batch empties.
+    # Freed memory the heap keeps goes back to the system during a request, at most once a period
+    # (_TRIM_PERIOD_S, 1 s: here every step, then never), and once more as the batch empties. Read in this
+    # process's resident size: 64 MiB freed but kept by the heap while a request runs.
     import lookupdec.serve.engine as engine_module
 
     url = server[0]
-    trims = []
-    monkeypatch.setattr(engine_module, "_trim_heap", lambda: trims.append(time.monotonic()))
-    monkeypatch.setattr(engine_module, "_TRIM_PERIOD_S", 0.0)  # every step
-    r = client.chat.completions.create(model=MODEL, messages=EDIT, temperature=0, max_tokens=8,
-                                       extra_body={"lookup": False})
-    # One per step: a step per pass after the prefill, and the last, which finds the row done (and the batch idle).
-    # The answer is sent before that last trim, so the count is read once the engine is idle.
-    _wait_idle(url)
-    time.sleep(0.2)
-    assert len(trims) == r.usage.lookup["passes"] == r.usage.completion_tokens
-    trims.clear()
-    monkeypatch.setattr(engine_module, "_TRIM_PERIOD_S", 3600.0)
-    client.chat.completions.create(model=MODEL, messages=EDIT, temperature=0, max_tokens=8,
-                                   extra_body={"lookup": False})
-    _wait_idle(url)
-    time.sleep(0.2)
-    assert len(trims) == 1  # only as the batch emptied
+    kwargs = dict(model=MODEL, messages=EDIT, temperature=0, max_tokens=16, extra_body={"lookup": False},
+                  stream=True)
+    for period in (0.0, 3600.0):
+        monkeypatch.setattr(engine_module, "_TRIM_PERIOD_S", period)
+        stream = client.chat.completions.create(**kwargs)
+        next(c for c in stream if c.choices and c.choices[0].delta.content)  # a token came: the row runs
+        before = _resident_mib()
+        hole = _HeapHole()
+        try:
+            held = _resident_mib()
+            assert held - before > 48, (before, held)  # the hole is resident
+            seen = _watch(url)
+        finally:
+            hole.close()
+        list(stream)
+        returned = [running for mib, running in seen if mib < held - 48]
+        assert returned, f"the 64 MiB stayed resident (period {period} s): {seen}"
+        if period == 0.0:
+            assert returned[0] > 0, f"returned only once idle: {seen}"  # while the row ran
+        else:
+            assert not any(returned), f"returned while the row ran: {seen}"  # only once idle
 
 
 def _running(url) -> int:

@@ -1,6 +1,13 @@
 """The hindsight bounds of research/simulate.py (``--bounds``): the design notes' account of where the gap to the
-oracle comes from rests on them, so they are checked against brute force on small cases. Also the per-suite
-summary of benchmarks/run.py that the issue targets are read from."""
+oracle comes from rests on them, so they are checked against brute force on small cases. Also its cost curves
+(``--cost-file``, ``--flat-cost``), and the per-suite summary of benchmarks/run.py that the issue targets are read
+from.
+
+Tests of the studies, not of the product: the product suite (``python -m pytest`` from the repository root, whose
+``testpaths`` is ``tests``) does not collect them. Run them from the repository root::
+
+    python -m pytest -q research
+"""
 
 import functools
 import json
