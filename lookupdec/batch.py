@@ -620,7 +620,8 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
         # Resolved on the padded row and its mask, as model.generate resolves them (min_new_tokens counts from the
         # padded width; a repetition penalty skips the padding).
         resolved = job.resolve(padded, mask[r: r + 1].long())
-        session = job.drafter.start(padded[0, start:].cpu().numpy(), eos_ids=resolved.eos_ids)
+        session = job.drafter.start(padded[0, start:].cpu().numpy(), eos_ids=resolved.eos_ids,
+                                    reproducible=resolved.do_sample and job.generator is not None)
         rows.append(Row(padded[:, start:], resolved, session, job.max_new_tokens, job.verifier(resolved), index=r,
                         trace=traces[r], on_commit=on_commit, padding=padded[:, :start]))
     # A batch prices drafts by its size's bucket, measured for the starting size; the single-row profile serves

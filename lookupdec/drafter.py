@@ -213,15 +213,20 @@ class Drafter:
                 self._batch_costs[rows] = PassCost(prior_jump=0.05 * rows, prior_slope=0.035 * rows)
             return self._batch_costs[rows]
 
-    def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = (), *, prediction: Sequence[int] | None = None
-              ) -> DraftSession:
+    def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = (), *, prediction: Sequence[int] | None = None,
+              reproducible: bool = False) -> DraftSession:
         """Begin drafting for one request whose context is ``prompt`` (token ids). ``prediction``: token ids this
         request's output is expected to repeat (OpenAI's Predicted Outputs, e.g. the file being edited): a
         reference of its own, preferred over other copies of the same text, whose drafted tokens the session
-        counts (:attr:`DraftSession.prediction_accepted`, :attr:`DraftSession.prediction_rejected`)."""
+        counts (:attr:`DraftSession.prediction_accepted`, :attr:`DraftSession.prediction_rejected`).
+        ``reproducible``: the request samples from a seeded generator, so its draft lengths must not depend on
+        timings (how many random draws a pass takes depends on its draft's length): passes with such a row price
+        drafts with the measured profile as it is, neither refined nor probed (:class:`~lookupdec.policy.Refinement`)."""
         prediction = None if prediction is None else np.asarray(prediction, dtype=np.int32)
-        return DraftSession(self, np.asarray(prompt, dtype=np.int32), frozenset(int(t) for t in eos_ids),
-                            prediction)
+        session = DraftSession(self, np.asarray(prompt, dtype=np.int32), frozenset(int(t) for t in eos_ids),
+                               prediction)
+        session.reproducible = bool(reproducible)
+        return session
 
     # ------------------------------------------------------------------ the propose/commit driver
 
@@ -233,10 +238,11 @@ class Drafter:
         (transformers' sampling rule), so when there is a candidate the best length of at least one token is
         drafted even where a plain step would pay better; empty still means no candidate."""
         offers = [session.offer(limit) for session, limit in zip(sessions, limits, strict=True)]
-        length = self.length(offers, must_draft=must_draft)
+        fixed = any(getattr(session, "reproducible", False) for session in sessions)
+        length = self.length(offers, must_draft=must_draft, fixed=fixed)
         return [session.take(length) for session in sessions]
 
-    def length(self, offers: Sequence[Offer], *, must_draft: bool = False) -> int:
+    def length(self, offers: Sequence[Offer], *, must_draft: bool = False, fixed: bool = False) -> int:
         """How many tokens of the ``offers`` (one per row of a pass) :meth:`propose` drafts: the longest offer
         without the adaptive length; else the length with the most expected tokens per unit of cost, priced with
         the single-row cost (one row) or the batch's (several), and 0 where the guard finds none that pays."""
@@ -246,13 +252,13 @@ class Drafter:
             return longest
         margin = cfg.margin(must_draft)
         cost = self.batch_cost(len(offers))
-        costs = cost.costs(longest)
+        costs = cost.costs(longest, refined=not fixed)
         if len(offers) == 1:
             length = best_draft_length(offers[0].first, offers[0].then, costs, margin=margin)
         else:
             length = best_batch_length(offers, costs, margin=margin, slowdown=cfg.slowdown(must_draft))
         # A calibrated profile learns from the passes run; now and then it asks for one it would not choose.
-        return cost.probe(length, longest) if cfg.guard and not must_draft else length
+        return cost.probe(length, longest) if cfg.guard and not (must_draft or fixed) else length
 
     def observe(self, rows: int, drafted: int, seconds: float) -> None:
         """Feed the cost fit: a pass over ``rows`` rows, ``drafted`` positions wide beyond each row's last token,
@@ -274,6 +280,7 @@ class DraftSession:
     def __init__(self, drafter: Drafter, prompt: np.ndarray, eos_ids: frozenset, prediction: np.ndarray | None = None):
         cfg = drafter.drafter_config
         self.drafter = drafter
+        self.reproducible = False  # Drafter.start(reproducible=True): lengths priced without timings
         self._eos = np.array(sorted(eos_ids), dtype=np.int32)
         parts = []
         for ref in drafter.references:

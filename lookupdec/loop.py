@@ -20,6 +20,7 @@ driver (``Drafter.propose``, ``DraftSession.commit``), verification through ``ve
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -91,8 +92,9 @@ def generate(
         max_new_tokens = getattr(generation_config, "max_new_tokens", None)
     if max_new_tokens is None:
         raise ValueError("max_new_tokens is required (as an argument or in generation_config)")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     mask, lengths = left_padding(input_ids, attention_mask)
     if drafter is None:
         drafter = Drafter()

@@ -158,15 +158,16 @@ class PassCost:
         if refinement is not None and profile is not None:
             refinement.observe(draft_len, t, _extended(profile, draft_len)[draft_len])
 
-    def costs(self, available: int) -> np.ndarray:
+    def costs(self, available: int, *, refined: bool = True) -> np.ndarray:
         """Relative time of a pass with ``d`` drafted tokens, ``d = 0 .. available`` (``costs[0] == 1``): the
         measured profile when one is set (:meth:`use_profile`), corrected by what the passes run taught when it
-        came from a calibration (:class:`Refinement`); else the straight-line fit of :meth:`relative`."""
+        came from a calibration (:class:`Refinement`) unless ``refined`` is false; else the straight-line fit of
+        :meth:`relative`."""
         profile, refinement = self._profile, self._refinement
         if profile is None:
             return linear_costs(*self.relative(), available)
         costs = _extended(profile, available)[: available + 1].copy()
-        if refinement is not None:
+        if refinement is not None and refined:
             costs *= refinement.factors(available)
         return costs
 

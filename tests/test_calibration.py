@@ -335,3 +335,23 @@ def test_the_passes_refine_a_calibrated_profile_for_every_drafter_of_the_model(c
     second = LookupDrafter(max_draft=8, use_cache=False)  # a later call's drafter knows it too
     lookupdec.calibrate(second, model)
     assert second.cost.costs(8).tolist() == pytest.approx(true.tolist())
+
+
+def test_seeded_sampling_prices_drafts_without_the_timings(cache_dir, peaky):
+    # A seeded generator must give the same output whatever the passes taught the shared refinement meanwhile
+    # (how many random draws a pass takes depends on its draft's length).
+    model, prompt = peaky
+
+    def sample():
+        return lookupdec.generate(model, prompt[:, :8], max_new_tokens=40, do_sample=True,
+                                  generator=torch.Generator().manual_seed(3)).sequences.tolist()
+
+    first = sample()
+    shared = cal.refinement(model)
+    for width, seconds in ((0, 1.0), (1, 50.0), (2, 50.0), (3, 50.0), (8, 50.0), (16, 50.0), (32, 50.0)):
+        for _ in range(5):
+            shared.observe(width, seconds, 1.0)  # drafts now look 50x dearer than the profile says
+    drafter = LookupDrafter()
+    lookupdec.calibrate(drafter, model)
+    assert drafter.cost.costs(8)[1] > 2 * drafter.cost.costs(8, refined=False)[1]  # the refinement did take
+    assert sample() == first

@@ -3,6 +3,7 @@ returns (finish reasons, per-row stats), the errors it raises, and the one loop 
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -86,6 +87,7 @@ def test_max_new_tokens_may_come_from_the_generation_config(peaky):
     assert out.sequences.shape[1] == prompt.shape[1] + 7
     with pytest.raises(ValueError, match="max_new_tokens is required"):
         generate(model, prompt)
+    assert generate(model, prompt, max_new_tokens=np.int64(3)).sequences.shape[1] == prompt.shape[1] + 3
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
             generate(model, prompt, max_new_tokens=bad)
