@@ -605,9 +605,7 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
     if batch > 1:
         batch_cache(job.model)  # refuses sliding-window models before anything runs
     on_commit = None
-    if streamer is not None:
-        if batch != 1:
-            raise ValueError("a streamer needs a batch of one (transformers' streamers do too)")
+    if streamer is not None:  # a batch of one: loop.generate checks it
 
         def on_commit(tokens: list, done: bool) -> None:
             if tokens:

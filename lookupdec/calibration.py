@@ -135,15 +135,16 @@ def pass_costs(model, max_draft: int = DrafterConfig.max_draft, *, rows: int = 1
                       type(model).__name__, rows, path.parent)
             started = time.perf_counter()
             profile = measure_pass_costs(model, max_draft, rows=rows)
+            reason = implausible(profile)
             for _ in range(REMEASURE):
-                if implausible(profile) is None:
+                if reason is None:
                     break
                 _log.info("pass-cost profile of %s looks disturbed (%s); measuring again", type(model).__name__,
-                          implausible(profile))
+                          reason)
                 profile = np.minimum(profile, measure_pass_costs(model, max_draft, rows=rows))
+                reason = implausible(profile)
             _log.info("measured the pass-cost profile of %s (%d row(s)) in %.1f s: %s", type(model).__name__,
                       rows, time.perf_counter() - started, np.round(profile, 2).tolist())
-            reason = implausible(profile)
             if reason is None:
                 _write(path, profile)
             else:  # used for this process only (the passes run refine it); the next start measures again

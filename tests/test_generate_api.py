@@ -193,3 +193,26 @@ def test_load_model_passes_placement_and_hub_options_to_transformers(tmp_path, m
     with pytest.raises(ValueError, match="device or device_map"):
         models.load_model(str(folder), device="cpu", device_map="auto")
     shutil.rmtree(folder)
+
+
+def test_a_streamer_needs_a_batch_of_one(peaky):
+    from transformers import TextStreamer
+
+    model, prompt = peaky
+
+    class Seen(TextStreamer):
+        def __init__(self):
+            self.puts = []
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.puts.append("end")
+
+    with pytest.raises(ValueError, match="a streamer needs a batch of one"):
+        generate(model, prompt.repeat(2, 1), max_new_tokens=4, streamer=Seen())
+    seen = Seen()
+    out = generate(model, prompt[:, :8], max_new_tokens=12, streamer=seen)
+    assert seen.puts[0] == prompt[:, :8].tolist() and seen.puts[-1] == "end"
+    assert sum(seen.puts[1:-1], []) == out.sequences[0, 8:].tolist()  # every committed token, once, in order
