@@ -52,12 +52,16 @@ def test_rows_match_single_sequence_greedy(tiny_model, budget):
     prompts = _prompts(tiny_model, count=4, seed=5)  # lengths 58, 61, 64, 67: left padding differs per row
     pad = tiny_model.generation_config.pad_token_id
     ids, mask = _left_pad(prompts, pad)
-    out = lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=budget, drafter=LookupDrafter())
+    # Not calibrated: timed pass costs could price every draft out on a busy machine, and budget 50 needs drafts.
+    drafter = LookupDrafter(calibrate=False)
+    out = lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=budget, drafter=drafter)
     assert out.sequences[:, : ids.shape[1]].tolist() == ids.tolist()
     assert _rows(out, ids.shape[1], pad) == _singles(tiny_model, prompts, budget)
     assert [r.new_tokens for r in out.stats.rows] == [len(r) for r in _singles(tiny_model, prompts, budget)]
     assert out.stats.new_tokens == sum(r.new_tokens for r in out.stats.rows)
     if budget == 50:
+        assert out.stats.drafted_tokens > 0
+    if budget == 50 and tiny_model.config.model_type != "gpt2":  # the random gpt2 seldom copies its prompt
         assert out.stats.accepted_tokens > 0  # drafts were accepted, on rows that accept different amounts
         assert min(r.target_passes for r in out.stats.rows) < budget
 
