@@ -96,11 +96,30 @@ def test_a_rejected_edit_is_retried_on_the_entry_it_names(here, monkeypatch):
         "wrote out.yaml"]
 
 
+def near_miss(section, prompt):
+    """The whole file with a value the instruction does not name changed too; the port line alone with a near
+    miss of the value."""
+    if section == "port: 8080\n":
+        return section.replace("8080", "909")
+    return section.replace("8080", "9090").replace(": 4", ": 8")
+
+
+def test_a_near_miss_is_written_with_the_value_the_instruction_gives(here, monkeypatch):
+    use(monkeypatch, Stub(near_miss))
+    result = run("reformat", "service.yaml", "-i", "Change the server port to 9090.", "-o", "out.yaml")
+    assert result.exit_code == 0, result.stderr
+    assert (here / "out.yaml").read_text() == SERVICE.replace("port: 8080", "port: 9090")
+    assert "line 4 set to the value the instruction gives, the rest left as it was" in result.stderr
+    # Not an answer the check would refuse from the model: a value of another type is not written either.
+    result = run("reformat", "service.yaml", "-i", "Change the server port to many.", "-o", "other.yaml")
+    assert result.exit_code == 1 and not (here / "other.yaml").exists()
+
+
 def test_a_wrong_edit_is_rejected_and_nothing_is_written(here, monkeypatch):
-    # The whole file comes back with a value the instruction does not name changed too, and the port line alone
-    # with a near miss of the value: exit 1 with the first rejection, the file untouched.
-    use(monkeypatch, Stub(lambda section, prompt: section.replace("8080", "909") if section == "port: 8080\n"
-                          else section.replace("8080", "9090").replace(": 4", ": 8")))
+    # The model's near miss at every grain, and the instruction's own value not offered (the test above):
+    # exit 1 with the first rejection, the file untouched.
+    use(monkeypatch, Stub(near_miss))
+    monkeypatch.setattr(FileFocus, "implied_answers", lambda self, section: [])
     result = run("reformat", "service.yaml", "-i", "Change the server port to 9090.", "--in-place")
     assert result.exit_code == 1
     assert result.stderr == (
@@ -126,9 +145,10 @@ def test_a_copied_line_is_retried_from_the_models_departures(here, monkeypatch):
 
 
 def test_a_copy_is_not_an_applied_edit(here, monkeypatch):
-    # The instruction gives a value, so an unchanged copy at every grain means it was not applied: exit 1.
+    # The instruction asks for a change (it turns something on), so an unchanged copy at every grain means it was
+    # not applied: exit 1. (It gives no value to write instead.)
     use(monkeypatch, Stub(lambda section, prompt: section))
-    result = run("reformat", "service.yaml", "-i", "Set the log level to debug.", "-o", "out.yaml")
+    result = run("reformat", "service.yaml", "-i", "Turn on the database echo.", "-o", "out.yaml")
     assert result.exit_code == 1
     assert result.stderr.startswith("error: service.yaml: lines 1-17: the model did not apply the instruction (the "
                                     "data is unchanged)\n")
@@ -162,16 +182,17 @@ def test_a_section_the_instruction_is_not_about_is_left_as_it_was(here, monkeypa
 
 
 def test_keep_going_keeps_the_section_whose_entry_failed(here, monkeypatch):
-    use(monkeypatch, Stub(lambda section, prompt: section.replace("port: 8080", "port 8080: [")))
-    result = run("reformat", "service.yaml", "-i", "Change the port to 9090.", "--keep-going", "-o", "out.yaml")
+    # (Instructions that give no value: a given one would be written from the instruction when the model fails.)
+    use(monkeypatch, Stub(lambda section, prompt: section.replace("echo: false", "echo false: [")))
+    result = run("reformat", "service.yaml", "-i", "Turn on the database echo.", "--keep-going", "-o", "out.yaml")
     assert result.exit_code == 1  # the only section is kept: nothing of the model's is left to write
     assert "service.yaml: lines 1-17: kept unchanged: the model's output is not valid YAML" in result.stderr
     assert result.stderr.endswith("error: service.yaml: the model's output was rejected for every section; nothing "
                                   "was written\n")
     # With a second section the model gets right, the first is kept and the second written (as asked).
-    use(monkeypatch, Stub(lambda section, prompt: section.replace("port: 8080", "port 8080: [")
+    use(monkeypatch, Stub(lambda section, prompt: section.replace("echo: false", "echo false: [")
                           .replace("info", "debug")))
-    result = run("reformat", "service.yaml", "-i", "Change the port to 9090 and the log level to debug.",
+    result = run("reformat", "service.yaml", "-i", "Turn on the database echo and change the log level.",
                  "--keep-going", "--max-new-tokens", "40", "-o", "out.yaml")
     assert result.exit_code == 0, result.stderr
     assert (here / "out.yaml").read_text() == SERVICE.replace("info", "debug")
@@ -238,6 +259,23 @@ def test_an_ambiguous_entry_is_judged_by_the_model(here, monkeypatch, choice, co
     else:
         assert result.stderr == ("error: two.yaml: the instruction could mean server.port (line 2) or database.port "
                                  "(line 4); say which (nothing was written)\n")
+
+
+def test_a_judged_entry_is_not_written_from_the_instruction(here, monkeypatch):
+    # The model picks database.port and then misses the value: the instruction's own value is not written at an
+    # entry only the model's judgement chose (it may have picked the wrong one). Named outright, it is.
+    def answer(section, prompt):
+        if prompt.prefill == "Answer:":
+            return "2"
+        return "oops: [\n" if "server" in section else section.replace("5432", "654")
+
+    (here / "two.yaml").write_text(AMBIGUOUS)
+    use(monkeypatch, Stub(answer))
+    assert run("reformat", "two.yaml", "-i", "Change the port to 6543.", "-o", "out.yaml").exit_code == 1
+    assert not (here / "out.yaml").exists()
+    result = run("reformat", "two.yaml", "-i", "Change the database port to 6543.", "-o", "out.yaml")
+    assert result.exit_code == 0, result.stderr
+    assert (here / "out.yaml").read_text() == AMBIGUOUS.replace("5432", "6543")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -358,3 +396,11 @@ def test_model_departures_offer_its_second_choice(real):
     starts = engine.departures(prompt, done, 4)
     assert "```yaml\nlevel: debug" in starts[:2]  # ... and ranks the edit right after the copy
     assert all(re.match(r"```yaml\nlevel:", s) for s in starts)
+
+
+def test_several_readings_of_the_instructions_value_are_not_guessed(here, monkeypatch):
+    # "local" in /usr/local/bin: the whole value or the segment (focus.implied) may be meant; neither is written.
+    (here / "paths.yaml").write_text("path: /usr/local/bin\nname: app\n")
+    use(monkeypatch, Stub(lambda section, prompt: section.replace("local", "lokal")))
+    result = run("reformat", "paths.yaml", "-i", "Replace local with opt in the path.", "-o", "out.yaml")
+    assert result.exit_code == 1 and not (here / "out.yaml").exists()

@@ -12,6 +12,8 @@ from test_reformat_edit import Stub
 
 from lookupdec import cli
 from lookupdec.reformat import run as reformat_run
+from lookupdec.reformat.editor import FileFocus
+from lookupdec.reformat.sections import Section
 from lookupdec.reformat.focus import choose_targets, find_entries, implied, read_instruction, unasked_change
 from lookupdec.reformat.validate import load_yaml_documents
 from lookupdec.reformat.yamldata import diff
@@ -40,6 +42,10 @@ def rejected(instruction: str, text: str, result: str) -> bool:
      ["PATH=/usr/opt/bin", "PATH=/usr//opt/bin", "PATH=/usr/bin/opt/bin", "/opt/bin", "PATH=/opt/bin:/usr/bin"]),
     # name:tag: the tag replaced, not appended, and the name kept
     (IMAGE, "Bump nginx to 1.27.", "nginx:1.27", ["nginx:1.25:1.27", "nginx:1.251.27", "1.27", "nginx-1.27"]),
+    # "to false" gives the text too: a KEY=VALUE item's value side (the whole item, or the key kept, or spaced
+    # around the "=" is no replacement)
+    ("environment:\n  - REV_SERVER=true\n  - DEBUG=1\n", "Set REV_SERVER to false.", "REV_SERVER=false",
+     ["false", "REV_SERVER=truefalse", "REV_SERVER = false", "REV_SERVER=False"]),
     # owner/repo@ref: the ref replaced, not extended
     (STEPS, "Update actions/checkout to v4.", "actions/checkout@v4",
      ["actions/checkout@v3v4", "actions/checkout@v4@v3", "actions/v4@v3", "v4"]),
@@ -55,6 +61,14 @@ def test_the_whole_value_may_be_given_instead_of_the_component():
     assert why("Set the image to caddy:2.8.", IMAGE, "image: caddy:2.8\n") is None
     assert why("Set HOME to /home/app.", ENV, ENV.replace("HOME=/root", "HOME=/home/app")) is None
     assert why("Use the mysql:8 image.", IMAGE, "image: mysql:8\n") is None
+
+
+def test_true_and_false_flip_a_boolean_and_are_written_as_text_in_a_string():
+    assert why("Set strict to false.", "strict: true\n", "strict: false\n") is None
+    assert rejected("Set strict to false.", "strict: true\n", 'strict: "false"\n')  # a boolean stays one
+    assert why("Set debug to false.", 'debug: "true"\n', 'debug: "false"\n') is None
+    assert rejected("Set debug to false.", 'debug: "true"\n', "debug: false\n")  # a string stays one
+    assert rejected("Enable debug.", 'debug: "no"\n', 'debug: "enabled"\n')  # no text is given
 
 
 def test_numbers_that_are_strings_stay_strings_and_quotes_keep_their_type():
@@ -144,8 +158,16 @@ def test_a_value_written_after_the_old_values_start_is_rejected_and_nothing_writ
     appends = Stub(lambda section, prompt: section.replace("DATA_DIR=/var/lib/app/data",
                                                            "DATA_DIR=/var/lib/app//srv/data"))
     monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress, **where: appends)
-    result = CliRunner().invoke(cli.main, ["reformat", "compose.yaml", "-i", "Set DATA_DIR to /srv/data.",
-                                           "-o", "out.yaml"], catch_exceptions=False)
+    invoke = lambda: CliRunner().invoke(cli.main, ["reformat", "compose.yaml", "-i", "Set DATA_DIR to /srv/data.",
+                                                   "-o", "out.yaml"], catch_exceptions=False)
+    # The model's answers are refused; the entry is written with the value the instruction gives.
+    result = invoke()
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out.yaml").read_text() == COMPOSE.replace("DATA_DIR=/var/lib/app/data", "DATA_DIR=/srv/data")
+    (tmp_path / "out.yaml").unlink()
+    # Without that fallback, the wrong write is refused and nothing is written.
+    monkeypatch.setattr(FileFocus, "implied_answers", lambda self, section: [])
+    result = invoke()
     assert result.exit_code == 1
     assert result.stderr.splitlines()[0] == (
         'error: compose.yaml: lines 1-7: the model\'s output is a wrong edit: it writes '
@@ -153,3 +175,18 @@ def test_a_value_written_after_the_old_values_start_is_rejected_and_nothing_writ
         "a value the instruction does not give")
     assert (tmp_path / "compose.yaml").read_text() == COMPOSE
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compose.yaml"]
+
+
+@pytest.mark.parametrize("text, instruction, answers", [
+    ('tag: "1.25"  # pinned\n', "Set the tag to 1.27.", ['tag: "1.27"  # pinned\n']),  # quotes and comment kept
+    ("name: 'web'\n", "Rename the name to o'neil.", ["name: 'o''neil'\n"]),
+    ("version: v1\n", "Set the version to 8.6.", ['version: "8.6"\n']),  # a plain string that must stay one
+    ("- REV_SERVER=true\n", "Set REV_SERVER to false.", ["- REV_SERVER=false\n"]),
+    ("- 33060\n", "Remove 33060 from the list.", [""]),  # the item taken out
+    ("echo: false\n", "Turn on the echo.", []),  # no value given: the model's to write
+])
+def test_answers_written_from_the_instruction_keep_the_entrys_own_form(text, instruction, answers):
+    focus = FileFocus(text, load_yaml_documents(text), instruction)
+    [target] = focus.targets
+    section = Section(text, "", target.first, edit=True)
+    assert focus.implied_answers(section) == answers

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import yaml
 
 from .engine import Completion, TokenProgress
-from .focus import Entry, Instruction, choose_targets, find_entries, near, read_instruction, unasked_change
+from .focus import (Entry, Instruction, choose_targets, find_entries, implied_writes, near, read_instruction,
+                    render_scalar, unasked_change)
 from .prompts import Prompt, build_focused_prompt, build_judge, build_prompt, extract_block, read_choice
 from .sections import Section, flat, split_finer, split_sections, trim_blank_lines
 from .validate import InputError, ReformatError, check_section, yaml_error
@@ -98,6 +99,7 @@ class FileFocus:
         self.targets: tuple = found.chosen
         self.ambiguous: tuple = found.ambiguous  # settled by Editor.judge before the run
         self.clauses: dict = dict(found.clauses)  # target path -> the clauses that chose it
+        self.judged: set = set()  # paths of the targets the model chose between equally named entries
 
     def untargeted(self) -> list:
         """The instruction's clauses that ask for a change but name no entry of the file: cut into entries, the
@@ -144,6 +146,32 @@ class FileFocus:
         unique = list(dict.fromkeys(clauses))
         return " ".join(self.instruction.sentence(c) for c in unique)
 
+    def implied_answers(self, section: Section) -> list[str]:
+        """Answers for a focused ``section`` (one entry at column 0) written from what the instruction gives
+        rather than by the model: the entry's one-line scalar replaced, in place and in its own quoting, by each
+        value the clauses that chose it imply (``focus.implied_writes``), or the entry taken out for a clause
+        that only removes. Whether one is right is still for :meth:`check` to say. None for an entry the model
+        chose between equally named ones (:meth:`Editor.judge`): the instruction's value is written only where
+        the instruction itself points (the judge once picked another service's volume for "the db volume")."""
+        inside = self.targets_in(section)
+        if len(inside) != 1 or inside[0].first != section.line or inside[0].path in self.judged:
+            return []
+        target = inside[0]
+        answers = []
+        for new in implied_writes(target, self.clauses.get(target.path, self.instruction.clauses)):
+            if new is None:
+                answers.append("")
+                continue
+            if target.span is None:
+                continue
+            line, start, end = target.span
+            lines = section.text.splitlines(keepends=True)
+            row, cut = line + 1 - section.line, len(section.indent)
+            text = lines[row]
+            lines[row] = text[: start - cut] + render_scalar(new, target.style, target.value) + text[end - cut:]
+            answers.append("".join(lines))
+        return answers
+
     def targets_in(self, section: Section) -> list[Entry]:
         return [t for t in self.targets if section.line <= t.first and t.last <= section.last_line]
 
@@ -182,6 +210,7 @@ class Job:
         self.focus = focus  # with an instruction: the file's focus, which checks every answer
         self.parent = parent  # the job this one is a part of
         self.focused = focused  # an entry the instruction is about, asked with the focused prompt
+        self.from_instruction = False  # its answer was written from the instruction's value (Editor._implied)
         self.pieces: list = []
         self.request = None  # its trace request, when tracing
         self.more_requests: list = []  # trace requests of the answers tried after it (departures)
@@ -223,9 +252,14 @@ def describe_sections(shown: str, jobs: Sequence[Job]) -> str | None:
     for job in jobs:
         lines = job.section.lines
         if job.outcome == "retried":
-            edited = [p.section.lines for p in job.parts() if p.outcome == "edited"]
+            edited = [p for p in job.parts() if p.outcome == "edited"]
+            given = [p.section.lines for p in edited if p.from_instruction]
+            by_model = [p.section.lines for p in edited if not p.from_instruction]
+            done = [f"{', '.join(by_model)} edited"] if by_model else []
+            if given:
+                done.append(f"{', '.join(given)} set to the value the instruction gives")
             said.append(f"{lines} retried at finer grain ({job.rejected.splitlines()[0]}): "
-                        f"{', '.join(edited) or 'nothing'} edited, the rest left as it was")
+                        f"{'; '.join(done) or 'nothing edited'}, the rest left as it was")
         elif job.outcome == "left":
             said.append(f"{lines} left as {'it was' if job.section.line == job.section.last_line else 'they were'} "
                         "(the instruction is not about them)")
@@ -278,6 +312,7 @@ class Editor:
                 named = " or ".join(f"{format_path(e.path[1:])} ({e.lines})" for e in entries)
                 raise ReformatError(f"{shown}: the instruction could mean {named}; say which (nothing was written)")
             focus.targets = tuple(sorted(focus.targets + (entries[choice],), key=lambda e: e.first))
+            focus.judged.add(entries[choice].path)
             focus.clauses[entries[choice].path] = (clause,)
         focus.ambiguous = ()
 
@@ -340,14 +375,17 @@ class Editor:
 
     def _reason(self, job: Job, done: Completion) -> tuple:
         """``(result, reason)``: the answer's block, and why it is rejected (None when it validates)."""
-        section = job.section
         result, closed = extract_block(done.answer)
         if not closed:
             return result, f"the model's output did not close its fenced block within {len(done.token_ids)} new tokens"
-        reason = check_section(section.text, result, self.instruction)
+        return result, self._invalid(job, result)
+
+    def _invalid(self, job: Job, result: str) -> str | None:
+        """Why ``result`` is not a valid answer for ``job``'s section, or None."""
+        reason = check_section(job.section.text, result, self.instruction)
         if reason is None and job.focus is not None:
-            reason = job.focus.check(section, trim_blank_lines(result))
-        return result, reason
+            reason = job.focus.check(job.section, trim_blank_lines(result))
+        return reason
 
     def _settle(self, job: Job, done: Completion, request) -> list[Job]:
         """Validate ``job``'s answer and set its pieces; returns the jobs of its parts when it is cut finer."""
@@ -357,6 +395,8 @@ class Editor:
             request.note = "validated" if reason is None else f"rejected: {reason.splitlines()[0]}"
         if reason is not None and job.focused and hasattr(self.engine, "departures"):
             result, reason = self._depart(job, done, reason)
+        if reason is not None and job.focused:
+            result, reason = self._implied(job, result, reason)
         if reason is None:
             self.edited[job.shown] += 1
             job.outcome = "edited"
@@ -387,6 +427,23 @@ class Editor:
             budget = budget_for(self.engine.count_tokens(part.text), self.max_new_tokens)
             job.pieces.append(Job(part, budget, job.shown, job.depth + 1, focus, job, focused=focused))
         return job.parts()
+
+    def _implied(self, job: Job, result: str, reason: str) -> tuple:
+        """The model's answers for a focused entry were rejected: ``(answer, None)`` for an answer written from the
+        value the instruction gives (:meth:`FileFocus.implied_answers`) that passes the same check, else ``(result,
+        reason)`` unchanged, also when several pass (``replace local with opt`` in ``/usr/local/bin``: ``opt`` or
+        ``/usr/opt/bin``; the embedded model's likelihoods preferred the shorter, so they are no judge here).
+
+        Decision: a small model often knows which entry to change and still misspells the value it was given
+        (``grafana/grafana-11.1.0.0`` for ``grafana/grafana:11.1.0``); the value itself is in the instruction, so
+        it is written from there. Nothing passes here that the check would refuse from the model."""
+        valid = [a for a in job.focus.implied_answers(job.section) if self._invalid(job, a) is None]
+        if len(valid) != 1:
+            return result, reason  # none, or several readings (the whole value or a part of it): not guessed
+        if job.request is not None:
+            job.request.note += "; written with the value the instruction gives"
+        job.from_instruction = True
+        return valid[0], None
 
     def _depart(self, job: Job, done: Completion, reason: str) -> tuple:
         """The first of the model's answers departing from ``done`` that validates, as ``(result, None)``; else

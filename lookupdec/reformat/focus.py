@@ -21,6 +21,9 @@ and values of the file as PyYAML composes it (so every entry has a path and exac
   a ``KEY=VALUE``, ``name:tag``, ``owner/repo@ref``; ``to 9090``: ``9090``, not ``909``; ``to v5``:
   ``checkout@v5``, not ``checkout@v4v5``), and keep its type (``"2000"`` stays a string). A change no clause
   asked for is a wrong edit and is rejected.
+- :func:`implied_writes` lists what a target becomes by the clauses that chose it (each value :func:`implied`
+  gives, or its removal), for an answer written from the instruction when the model's are all rejected
+  (``FileFocus.implied_answers``); :func:`render_scalar` writes such a value in the entry's own quoting.
 
 Decisions. An instruction that names nothing in the file (``add a comment to every key``) concerns every section.
 One that asks to move, sort or merge things (:attr:`Instruction.structural`) cannot be made section by section,
@@ -33,6 +36,7 @@ valid answer.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -184,6 +188,9 @@ def _read_clause(text: str) -> Clause:
     lits = literals(text)
     lower = [w.lower() for w in lits]
     new, old, context = [], [], []
+    # "to false" also gives the text "false": the value of a KEY=VALUE item or a quoted string ("REV_SERVER=true"
+    # -> "REV_SERVER=false"); a boolean entry flips through ``booleans``
+    spelled = [w for i, w in enumerate(lits) if i and lower[i] in ("true", "false") and lower[i - 1] in _NEW_AFTER]
     removes = any(w in _REMOVE_WORDS for w in lower)
     booleans = any(w in _BOOL_WORDS for w in lower) or bool(re.search(r"\b(turn|switch)\w*\s+(\w+\s+)?(on|off)\b",
                                                                        text, re.IGNORECASE))
@@ -202,7 +209,8 @@ def _read_clause(text: str) -> Clause:
     terms = {a for w, low in zip(lits, lower, strict=True) if low not in STOPWORDS and low not in new
              for a in atoms(w)} - new_atoms - {stem(w) for w in STOPWORDS} - set(_BOOL_WORDS)
     cased = {w.lower(): w for w in lits}
-    return Clause(text, frozenset(terms), tuple(old), tuple(context), tuple(new), tuple(cased[w] for w in new),
+    return Clause(text, frozenset(terms), tuple(old), tuple(context), tuple(new),
+                  tuple(cased[w] for w in new) + tuple(spelled),
                   tuple(cased[w] for w in context), all=any(w in _ALL_WORDS for w in lower), removes=removes,
                   renames="rename" in lower, replaces=any(w in _REPLACE_WORDS for w in lower), booleans=booleans)
 
@@ -236,6 +244,10 @@ class Entry:
     above: frozenset  # words of the keys above it
     beside: frozenset  # words of the scalar values beside it and beside the mappings above it
     beside_values: tuple  # those values, lowercased
+    # a one-line scalar's place in the file, (0-based line, first column, column past its end), and its style
+    # (None: plain, "'" or '"'); None for anything else (a block scalar, a flow collection, a multi-line scalar)
+    span: tuple | None = None
+    style: str | None = None
 
     @property
     def lines(self) -> str:
@@ -317,8 +329,13 @@ def _add(out, loader, path, key, vnode, first, above, beside):
     except yaml.YAMLError:
         return
     words = frozenset(a for b in beside for a in atoms(b))
+    span = style = None
+    if (isinstance(vnode, yaml.ScalarNode) and vnode.style in (None, "'", '"') and not vnode.tag.startswith("!")
+            and vnode.start_mark.line == vnode.end_mark.line):
+        span, style = (vnode.start_mark.line, vnode.start_mark.column, vnode.end_mark.column), vnode.style
     out.append(Entry(path, key, value, first, max(first, _last_line(vnode)),
-                     frozenset(a for k in above for a in atoms(k)), words, tuple(b.lower() for b in beside)))
+                     frozenset(a for k in above for a in atoms(k)), words, tuple(b.lower() for b in beside),
+                     span, style))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -567,6 +584,44 @@ def implied(old: str, value: str, named: Sequence[str] = ()) -> set[str]:
             if _shape(match.group()) == _shape(value):
                 parts.add(old[: match.start()] + value + old[match.end():])
     return parts or {value}  # "to 24.04" for ubuntu-22.04 is ubuntu-24.04, not 24.04
+
+
+def implied_writes(entry: Entry, clauses: Sequence[Clause]) -> list[str | None]:
+    """What ``clauses`` (the ones that chose ``entry``) imply the entry becomes, most direct first and without
+    repeats: the new scalar's text for each value a clause gives (:func:`implied`: ``REV_SERVER=false`` for
+    ``REV_SERVER=true`` and ``to false``), or None for a clause that only removes. Empty for a clause that gives
+    no value (``enable the cache``, ``change the port``): what to write there is the model's to say."""
+    out: list[str | None] = []
+    for clause in clauses:
+        if clause.removes and not (clause.gives_value or clause.renames or clause.replaces):
+            out.append(None)
+            continue
+        if not (clause.gives_value or clause.replaces):
+            continue
+        for value in clause.given if clause.gives_value else clause.given + clause.context_given:
+            if isinstance(entry.value, str):
+                out += sorted(implied(entry.value, value, clause.old), key=lambda v: (v != value, v))
+            elif not isinstance(entry.value, (dict, list, Tagged)):
+                out.append(value)
+    return list(dict.fromkeys(out))
+
+
+def render_scalar(text: str, style: str | None, old: Any) -> str:
+    """``text`` written as a YAML scalar in ``style`` (None: plain, ``'`` or ``"``), as the value it replaces is
+    written. A plain string that would load as another type or not at all (``8.6``, ``a: b``) is double-quoted
+    so that it stays a string; a number or boolean is written as given (the check refuses a changed type)."""
+    if style == '"':
+        return json.dumps(text, ensure_ascii=False)
+    if style == "'":
+        return "'" + text.replace("'", "''") + "'"
+    if isinstance(old, str) or old is None:
+        try:
+            if yaml.safe_load(f"k: {text}\n") == {"k": text}:
+                return text
+        except yaml.YAMLError:
+            pass
+        return json.dumps(text, ensure_ascii=False)
+    return text
 
 
 def _named_segment_replaced(path: str, value: str, named: Sequence[str]) -> set[str]:
