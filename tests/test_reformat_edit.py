@@ -144,6 +144,16 @@ def test_a_copied_line_is_retried_from_the_models_departures(here, monkeypatch):
     assert (here / "out.yaml").read_text() == SERVICE.replace("level: info", "level: debug")
 
 
+@pytest.mark.parametrize("entry_answer", ["", "- export\n"])
+def test_a_list_item_is_removed_alone(here, monkeypatch, entry_answer):
+    # The whole file comes back broken; the item alone comes back empty (the model took it out) or copied (then
+    # it is taken out as the instruction says). Either way only that item goes.
+    use(monkeypatch, Stub(lambda section, prompt: entry_answer if section == "- export\n" else "oops: [\n"))
+    result = run("reformat", "service.yaml", "-i", "Remove export from the features.", "-o", "out.yaml")
+    assert result.exit_code == 0, result.stderr
+    assert (here / "out.yaml").read_text() == SERVICE.replace("  - export\n", "")
+
+
 def test_a_copy_is_not_an_applied_edit(here, monkeypatch):
     # The instruction asks for a change (it turns something on), so an unchanged copy at every grain means it was
     # not applied: exit 1. (It gives no value to write instead.)

@@ -381,7 +381,10 @@ class Editor:
         return result, self._invalid(job, result)
 
     def _invalid(self, job: Job, result: str) -> str | None:
-        """Why ``result`` is not a valid answer for ``job``'s section, or None."""
+        """Why ``result`` is not a valid answer for ``job``'s section, or None. An empty answer for one entry
+        takes the entry out, which the file's check judges (a removal the instruction asks for, or not)."""
+        if job.focused and not result.strip():
+            return job.focus.check(job.section, "")
         reason = check_section(job.section.text, result, self.instruction)
         if reason is None and job.focus is not None:
             reason = job.focus.check(job.section, trim_blank_lines(result))
