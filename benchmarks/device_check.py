@@ -20,7 +20,12 @@ them (``device_check.json`` and ``device_check.md`` are rewritten after every st
    (``STATISTICAL_TESTS``: three quarters of the time): a greedy comparison may fail at a near-tie, since a pass of
    one token and a pass of many round differently (tests/test_precision.py is about that). Which tests fail can
    change from run to run: the measured pass cost decides the draft lengths, and with them the rounding.
-5. ``vllm``: lookupdec's vLLM proposer (``lookupdec.vllm.proposer.LookupProposer``, 16 speculative tokens) against
+5. ``compiled``: issue 26's fast path at batch 1 on the same prompts: plain greedy eager and on transformers' fast
+   path (static KV cache, ``torch.compile`` of the forward), lookupdec eager and on the same compiled forward
+   (``benchmarks.run``'s ``greedy_compiled`` / ``lookupdec_compiled``); each first call's seconds (the compile),
+   per prompt each system's seconds and whether its output equals its reference (lookupdec compiled against plain
+   compiled). The dry run compiles with the ``eager`` backend (tracing only).
+6. ``vllm``: lookupdec's vLLM proposer (``lookupdec.vllm.proposer.LookupProposer``, 16 speculative tokens) against
    plain vLLM on three requests of its own (a YAML edit and a code edit, each with its file as the prediction, and
    an open-ended prompt; 96 tokens each), through tests/vllm_offline.py (fp32, eager): each request alone and the
    three in one batch, per request whether lookupdec's token ids are plain's, where they first differ and plain's
@@ -109,7 +114,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXACTNESS_TESTS = ("tests/test_exactness.py", "tests/test_batch.py", "tests/test_sampling.py")
-STAGES = ("exact32", "curves", "speed", "exact16", "vllm")
+STAGES = ("exact32", "curves", "speed", "exact16", "compiled", "vllm")
+COMPILED_SYSTEMS = ("greedy", "greedy_compiled", "lookupdec", "lookupdec_compiled")
 SYSTEMS = ("greedy", "pld", "lookupdec")
 # The sampling tests that compare thousands of samples: most of the exactness tests' time.
 STATISTICAL_TESTS = ("test_sampled_generations_match_plain_sampling", "test_wrong_rule_is_caught_end_to_end",
@@ -406,21 +412,27 @@ def _cut(tokens: list, eos: set) -> list:
     return tokens
 
 
-def _one(system: str, model, ids: list, new_tokens: int, counter) -> dict:
-    """One generation of ``system`` on one prompt: seconds, new tokens (to EOS), target passes."""
+def _one(system: str, model, ids: list, new_tokens: int, counter, compiled=None) -> dict:
+    """One generation of ``system`` on one prompt: seconds, new tokens (to EOS), target passes. ``compiled``: a
+    ``benchmarks.run.CompiledForward``, swapped in for the ``*_compiled`` systems (plain greedy there also on
+    transformers' static cache, its documented fast path)."""
+    import contextlib
+
     import lookupdec
     from lookupdec import LookupDrafter
 
     device = model.device
     x = torch.tensor([ids], device=device)
     kw = dict(max_new_tokens=new_tokens, do_sample=False)
+    base = system.removesuffix("_compiled")
     counter.count = 0
     _sync(device)
     start = time.perf_counter()
-    with torch.inference_mode():
-        if system == "greedy":
-            out = model.generate(x, attention_mask=torch.ones_like(x), **kw)
-        elif system == "pld":
+    with torch.inference_mode(), (compiled if base != system else contextlib.nullcontext()):
+        if base == "greedy":
+            static = {"cache_implementation": "static"} if base != system else {}
+            out = model.generate(x, attention_mask=torch.ones_like(x), **static, **kw)
+        elif base == "pld":
             out = model.generate(x, attention_mask=torch.ones_like(x), prompt_lookup_num_tokens=10, **kw)
         else:
             out = lookupdec.generate(model, x, max_new_tokens=new_tokens, drafter=LookupDrafter()).sequences
@@ -554,6 +566,51 @@ def _batch_one(singles: list) -> dict:
     entry["lookupdec_tokens_per_pass"] = round(statistics.mean(
         r["lookupdec"]["new_tokens"] / max(r["lookupdec"]["passes"], 1) for r in singles), 3)
     return entry
+
+
+def compiled_speed(model, tokenizer, prompts: list, plan: Plan, deadline: float) -> dict:
+    """Batch 1 on the quick prompts, issue 26's fast path: plain greedy eager (the reference) and on transformers'
+    fast path (static cache, compiled forward), lookupdec eager and on the same compiled forward. What each first
+    call cost (the compile), per prompt every system's seconds, and whether each output equals its reference:
+    plain compiled against plain eager, lookupdec compiled against plain compiled (kernels compiled for other
+    shapes may round differently), lookupdec eager against plain eager. The dry run compiles with the ``eager``
+    backend (tracing, no kernels) so the stage runs on a CPU in seconds."""
+    from benchmarks.run import CompiledForward, PassCounter
+
+    counter = PassCounter(model)
+    compiled = CompiledForward(model, backend="eager" if plan.dry_run else "inductor")
+    encoded = [(p, encode_prompt(tokenizer, p.user)) for p in prompts]
+    result = {"prompts": [f"{p.suite}/{p.name}" for p, _ in encoded], "new_tokens": plan.new_tokens,
+              "backend": compiled.backend, "cut_short": False, "first_call_s": {}}
+    warm = encoded[0][1][:64]
+    for system in COMPILED_SYSTEMS:  # the first call of each: the compiled ones pay their compile here
+        result["first_call_s"][system] = round(_one(system, model, warm, 8, counter, compiled)["seconds"], 2)
+    rows = []
+    for i, (p, ids) in enumerate(encoded):
+        if time.perf_counter() > deadline:
+            result["cut_short"] = True
+            break
+        order = COMPILED_SYSTEMS[i % len(COMPILED_SYSTEMS):] + COMPILED_SYSTEMS[: i % len(COMPILED_SYSTEMS)]
+        runs = {s: _one(s, model, ids, plan.new_tokens, counter, compiled) for s in order}
+        reference = {"greedy_compiled": "greedy", "lookupdec": "greedy", "lookupdec_compiled": "greedy_compiled"}
+        rows.append({"prompt": f"{p.suite}/{p.name}", "suite": p.suite,
+                     **{s: {"seconds": round(r["seconds"], 4), "new_tokens": len(r["tokens"]), "passes": r["passes"],
+                            **({"identical": r["tokens"] == runs[reference[s]]["tokens"]} if s in reference else {})}
+                        for s, r in runs.items()}})
+        print(f"compiled {p.suite}/{p.name}: " + " ".join(f"{s} {runs[s]['seconds']:.2f}s" for s in COMPILED_SYSTEMS),
+              file=sys.stderr)
+    result["single"] = rows
+    if rows:
+        per_token = lambda r, s: r[s]["seconds"] / max(r[s]["new_tokens"], 1)  # noqa: E731
+        ratio = lambda a, b: round(statistics.median(per_token(r, a) / per_token(r, b) for r in rows), 3)  # noqa: E731
+        result["greedy_compiled_x_greedy"] = ratio("greedy", "greedy_compiled")
+        result["lookupdec_compiled_x_greedy_compiled"] = ratio("greedy_compiled", "lookupdec_compiled")
+        result["best_lookupdec_x_fastest_plain"] = round(statistics.median(
+            min(per_token(r, "greedy"), per_token(r, "greedy_compiled")) /
+            min(per_token(r, "lookupdec"), per_token(r, "lookupdec_compiled")) for r in rows), 3)
+        for s in reference:
+            result[f"{s}_identical"] = sum(r[s]["identical"] for r in rows)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -910,11 +967,31 @@ def markdown(report: dict) -> str:
                              f"{r['lookupdec']['passes']} | "
                              f"{'yes' if r['lookupdec']['identical'] and r['pld']['identical'] else 'NO'} |")
         lines.append("")
+    lines += _compiled_markdown(report.get("compiled"))
     lines += _vllm_markdown(report.get("vllm"))
     lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
     for name, s in report["stages"].items():
         lines.append(f"| {name} | {s['status']} | {s.get('seconds', '-')} |")
     return "\n".join(lines) + "\n"
+
+
+def _compiled_markdown(cp) -> list:
+    if not isinstance(cp, dict) or not cp.get("single"):
+        return []
+    n = len(cp["single"])
+    lines = ["## The fast path: a compiled forward (issue 26)", "",
+             f"Model: {cp['model']}; torch.compile backend {cp['backend']}; {n} prompts, {cp['new_tokens']} new tokens, "
+             "batch 1. Medians of per-prompt time ratios." + (" Cut short by the time budget." if cp["cut_short"]
+                                                               else ""), "",
+             "| plain compiled x plain eager | lookupdec compiled x plain compiled | best lookupdec x fastest plain | "
+             "plain compiled = eager | lookupdec compiled = plain compiled | lookupdec eager = plain eager |",
+             "|---" * 6 + "|",
+             f"| {cp['greedy_compiled_x_greedy']:.2f} | {cp['lookupdec_compiled_x_greedy_compiled']:.2f} | "
+             f"{cp['best_lookupdec_x_fastest_plain']:.2f} | {cp['greedy_compiled_identical']}/{n} | "
+             f"{cp['lookupdec_compiled_identical']}/{n} | {cp['lookupdec_identical']}/{n} |", "",
+             "First calls (s; the compiled ones include compiling): " +
+             ", ".join(f"{s} {v}" for s, v in cp["first_call_s"].items()), ""]
+    return lines
 
 
 def _vllm_markdown(vl) -> list:
@@ -1072,6 +1149,22 @@ def main(argv=None) -> int:
                                                          plan, deadline - plan.reserve_curves)))
     stage("speed", speed_stage)
     stage("exact16", lambda: ("exact16", exact("bfloat16", plan.tests_k16)))
+
+    def compiled_stage():
+        from benchmarks.run import pick_prompts
+
+        prompts = pick_prompts(argparse.Namespace(suites=list(plan.suites), per_suite=plan.per_suite))
+        if plan.dry_run:
+            prompts = prompts[:2]
+        model, tokenizer, what = speed_model(args.model, device, dtype, plan)
+        try:
+            result = compiled_speed(model, tokenizer, prompts, plan, deadline - plan.reserve_speed)
+        finally:
+            del model
+            gc.collect()
+        return "compiled", {"model": what, **result}
+
+    stage("compiled", compiled_stage)
 
     def vllm_progress(partial):  # the first engine's run is kept should the second not finish
         report["vllm"] = partial

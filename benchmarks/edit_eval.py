@@ -228,9 +228,13 @@ class Run:
     error: str = ""  # the command's first "error:" line, without the prefix
     output: str | None = None  # the written result, or None
     input_unchanged: bool = True
+    # entries set to the value the instruction gives after every model answer for them was rejected (the
+    # command's summary says so per file: "line 14 set to the value the instruction gives")
+    from_instruction: int = 0
 
 
 _SUMMARY = re.compile(r"reformat: (\d+) new tokens, (\d+) target passes, [\d.]+ tokens/pass, ([\d.]+) s")
+_FROM_INSTRUCTION = re.compile(r"(lines? [\d, -]+(?:, lines? [\d -]+)*) set to the value the instruction gives")
 # The model loader's last progress line: transformers' "Loading weights: 100%|...", else lookupdec's own note.
 _LOADED = re.compile(r"Loading weights|loading cached weights|cached converted weights")
 
@@ -270,6 +274,7 @@ def run_command(config: Path, instruction: str, mode: str, timeout: float) -> Ru
         run.error = run.error.replace(str(source), config.name)
         run.output = out.read_text(errors="replace") if out.exists() else None
         run.input_unchanged = source.read_bytes() == before
+        run.from_instruction = sum(len(m.split(",")) for m in _FROM_INSTRUCTION.findall(stderr))
         return run
 
 
@@ -407,6 +412,8 @@ def totals(results: list[Result]) -> dict:
         "same_result": sum(bool(r.same) for r in results if r.same is not None),
         "compared": sum(r.same is not None for r in results),
         "meets_target": n > 0 and counts["right"] / n >= 0.85 and counts["wrong"] == 0,
+        # right only because an entry was set to the instruction's value after the model's answers failed
+        "right_from_instruction": sum(r.outcome == "right" and r.lookup.from_instruction > 0 for r in results),
     }
 
 
@@ -456,6 +463,8 @@ def markdown(results: list[Result], summary: dict, meta: dict) -> str:
          f"({s['rejected_pct']:.0f} %), refused {s['refused']} ({s['refused_pct']:.0f} %), wrong but written "
          f"{s['wrong']} ({s['wrong_pct']:.0f} %), broken {s['broken']} ({s['broken_pct']:.0f} %)."),
         f"Target (at least 85 % right, no wrong edit written): {'met' if s['meets_target'] else 'not met'}.",
+        (f"Of the right ones, {s.get('right_from_instruction', 0)} had an entry set to the value the instruction "
+         "gives after every answer of the model for it was rejected."),
         (f"Median lookup speedup over plain decoding: {_fmt_x(s['median_speedup'])} over {s['timed_pairs']} timed "
          f"pairs ({_fmt_x(s['median_speedup_measured'])} where both runs printed their decode time); median "
          f"wall-time ratio {_fmt_x(s['median_wall_ratio'])}. Lookup and plain gave the same result in "

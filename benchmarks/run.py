@@ -14,6 +14,17 @@ shared machine hits all of them alike. Ratios are computed inside one run, never
   (``DrafterConfig.max_draft``, 64 by default): the ceiling any lookup drafter can reach on this hardware with this
   loop.
 
+Opt-in (``--systems``), for issue 26's fast path:
+
+- ``greedy_compiled``: plain ``model.generate`` on transformers' fast path, a static KV cache and
+  ``torch.compile`` of the forward (inductor; the first call pays the compile, which the warm-up takes);
+- ``lookupdec_compiled``: ``lookupdec.generate`` as it ships (dynamic cache, any verification width) on the same
+  compiled forward. Its output is compared with ``greedy_compiled``'s (compiled kernels may round differently
+  from eager ones), so ``identical`` holds it to plain decoding on the same path;
+- ``llamacpp``: llama.cpp's plain greedy decoding of the same GGUF (``llama-cpp-python``, not a dependency; the
+  system is dropped with a note where it is not installed or the model is not a .gguf). An anchor, not a
+  reference: it decodes the quantized weights as stored, so its text may differ.
+
 Per prompt it records new tokens, target passes, tokens per pass (the target's own token of each pass included),
 acceptance by draft position, the share of time spent drafting, wall time, and whether the output is
 token-identical to greedy. It writes ``results.json`` (raw), ``results.md`` (tables) and, with matplotlib,
@@ -51,6 +62,61 @@ from lookupdec.models import load_model
 from lookupdec.policy import Offer
 
 SYSTEMS = ("greedy", "pld", "pld_tuned", "lookupdec", "lookupdec_hf", "oracle")
+OPT_IN = ("greedy_compiled", "lookupdec_compiled", "llamacpp")  # run only when --systems names them
+CHECKED = ("lookupdec", "lookupdec_hf", "oracle", "lookupdec_compiled")  # held to plain decoding on their path
+COMPILED = ("greedy_compiled", "lookupdec_compiled")
+
+
+class CompiledForward:
+    """``torch.compile`` of the model's forward, made once and swapped in only for the compiled systems' calls.
+    ``backend``: inductor (the fast path); ``eager`` traces without generating kernels (device_check's dry run)."""
+
+    def __init__(self, model, backend: str = "inductor"):
+        self.model, self.backend, self.compiled = model, backend, None
+
+    def __enter__(self):
+        if self.compiled is None:
+            self.compiled = torch.compile(self.model.forward, backend=self.backend)
+        self.model.forward = self.compiled
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.forward  # the class's own forward again
+
+
+class LlamaCpp:
+    """llama.cpp's plain greedy decoding of a .gguf file, on our prompt's token ids (the GGUF's own vocabulary)."""
+
+    def __init__(self, gguf: Path, threads: int | None):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads or torch.get_num_threads(),
+                         verbose=False)
+
+    def generate(self, ids: list, max_new_tokens: int) -> list:
+        out = []
+        self.llm.reset()
+        for token in self.llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            if token == self.llm.token_eos():
+                break
+            out.append(token)
+            if len(out) == max_new_tokens:
+                break
+        return out
+
+
+def llamacpp_for(model_name: str | None, threads: int | None):
+    """A :class:`LlamaCpp` for the run's model, or ``(None, why)`` where llama.cpp cannot run it."""
+    from lookupdec.models import _gguf_of
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None, "llama-cpp-python is not installed"
+    gguf = _gguf_of(model_name) if model_name else _gguf_of("smollm2")
+    if gguf is None:
+        return None, f"{model_name} is not a .gguf file"
+    return LlamaCpp(gguf, threads), None
 
 
 class OracleDrafter(Drafter):
@@ -108,7 +174,10 @@ class PassCounter:
         self.count += 1
 
 
-def run_system(system, model, ids, args, counter, answer, pld):
+def run_system(system, model, ids, args, counter, answer, pld, extra=None):
+    """One timed generation of ``system``; ``extra``: ``{"compiled": CompiledForward, "llamacpp": LlamaCpp}``
+    for the opt-in systems."""
+    extra = extra or {}
     kw = dict(max_new_tokens=args.max_new_tokens)
     if args.sample:
         kw.update(do_sample=True, temperature=0.7, top_k=0, top_p=1.0)
@@ -123,6 +192,16 @@ def run_system(system, model, ids, args, counter, answer, pld):
     with torch.inference_mode():
         if system == "greedy":
             out = model.generate(ids, attention_mask=mask, **kw)
+        elif system == "greedy_compiled":
+            with extra["compiled"]:
+                out = model.generate(ids, attention_mask=mask, cache_implementation="static", **kw)
+        elif system == "lookupdec_compiled":
+            with extra["compiled"]:
+                res = lookupdec.generate(model, ids, attention_mask=mask, drafter=LookupDrafter(**args.drafter), **kw)
+            out, stats = res.sequences, res.stats
+        elif system == "llamacpp":
+            new = extra["llamacpp"].generate(ids[0].tolist(), args.max_new_tokens)
+            out = torch.cat([ids.cpu(), torch.tensor([new], dtype=ids.dtype)], dim=1)
         elif system == "pld":
             out = model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=10, **kw)
         elif system == "pld_tuned":
@@ -207,6 +286,12 @@ def summarize(records, systems):
             row["of_oracle"] = (med["oracle"] / med["lookupdec"]) if "oracle" in systems else None
             ld = [r for r in rec["runs"] if r["system"] == "lookupdec"]
             row["draft_share"] = statistics.median(r["draft_seconds"] / r["seconds"] for r in ld)
+        if set(COMPILED) <= set(systems):
+            row["vs_compiled"] = med["greedy_compiled"] / med["lookupdec_compiled"]
+            fastest = min(med[s] for s in ("greedy", "greedy_compiled"))
+            row["vs_fastest"] = fastest / min(med[s] for s in ("lookupdec", "lookupdec_compiled") if s in systems)
+        if "llamacpp" in systems:
+            row["vs_llamacpp"] = med["llamacpp"] / min(med[s] for s in systems if s.startswith("lookupdec"))
         rows.append(row)
     groups = {}
     for row in rows:
@@ -256,12 +341,21 @@ def markdown(rows, suite_rows, systems, meta):
         return f"{100 * v:.1f}%" if pct else f"{v:.2f}"
 
     for r in suite_rows:
-        same = all(r.get(f"same_{s}", True) for s in ("lookupdec", "lookupdec_hf", "oracle") if s in systems)
+        same = all(r.get(f"same_{s}", True) for s in CHECKED if s in systems)
         lines.append(f"| {r['suite']} | {r['prompts']} | " + " | ".join(fmt(r.get(f"x_{s}")) for s in shown) +
                      f" | {fmt(r.get('vs_pld'))} | {fmt(r.get('vs_pld_tuned'))} | {fmt(r.get('vs_pld_hf'))}"
                      f" | {fmt(r.get('of_oracle'), True)}"
                      f" | {fmt(r.get('tpp_lookupdec'))} | {fmt(r.get('draft_share'), True)} | "
                      f"{'yes' if same else 'NO'} |")
+    fast = [k for k in ("vs_compiled", "vs_fastest", "vs_llamacpp") if suite_rows and k in suite_rows[0]]
+    if fast:
+        names = {"vs_compiled": "lookupdec_compiled vs greedy_compiled",
+                 "vs_fastest": "best lookupdec vs fastest plain transformers",
+                 "vs_llamacpp": "best lookupdec vs llama.cpp plain (anchor)"}
+        lines += ["", "The fast path (medians of per-prompt time ratios; greedy_compiled identical to eager greedy: "
+                  f"{'yes' if all(r.get('same_greedy_compiled', True) for r in suite_rows) else 'NO'}):", "",
+                  "| suite | " + " | ".join(names[k] for k in fast) + " |", "|" + "---|" * (len(fast) + 1)]
+        lines += [f"| {r['suite']} | " + " | ".join(fmt(r.get(k)) for k in fast) + " |" for r in suite_rows]
     lines += ["", "Acceptance of lookupdec's drafts by draft position (accepted / drafted, all prompts of the suite):", "",
               "| suite | " + " | ".join(f"pos {p}" for p in ACCEPT_POSITIONS) + " |",
               "|" + "---|" * (len(ACCEPT_POSITIONS) + 1)]
@@ -271,7 +365,7 @@ def markdown(rows, suite_rows, systems, meta):
     lines += ["", "Per prompt:", "", "| prompt | new | " + " | ".join(f"{s} x" for s in shown) +
               " | tok/pass | identical |", "|" + "---|" * (len(shown) + 4)]
     for r in rows:
-        same = all(r.get(f"same_{s}", True) for s in ("lookupdec", "lookupdec_hf", "oracle") if s in systems)
+        same = all(r.get(f"same_{s}", True) for s in CHECKED if s in systems)
         lines.append(f"| {r['name']} | {r['new_tokens']} | " + " | ".join(fmt(r.get(f"x_{s}")) for s in shown) +
                      f" | {fmt(r.get('tpp_lookupdec'))} | {'yes' if same else 'NO'} |")
     return "\n".join(lines) + "\n"
@@ -315,7 +409,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="hub id, folder or .gguf (default: the embedded SmolLM2)")
     ap.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS + OPT_IN))
     ap.add_argument("--quick", action="store_true", help="2 prompts per suite, 128 new tokens, 1 rep")
     ap.add_argument("--per-suite", type=int, default=None, help="prompts per suite (default: 6; all with 0)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
@@ -351,7 +445,7 @@ def main(argv=None):
     args.per_suite = 6 if args.per_suite is None else args.per_suite
     args.max_new_tokens = args.max_new_tokens or 256
     args.reps = args.reps or 2
-    systems = [s for s in SYSTEMS if s in args.systems or s == "greedy"]
+    systems = [s for s in SYSTEMS + OPT_IN if s in args.systems or s == "greedy"]
     if args.sample and "oracle" in systems:
         # A sampled output is not known in advance, so there is nothing for an oracle to draft.
         print("--sample: no oracle (sampled outputs are not known in advance)", file=sys.stderr)
@@ -366,6 +460,12 @@ def main(argv=None):
     counter = PassCounter(model)
     if args.batch:
         return batch_mode(model, tokenizer, args)
+    extra = {"compiled": CompiledForward(model)}
+    if "llamacpp" in systems:
+        extra["llamacpp"], why = llamacpp_for(args.model, args.threads)
+        if why:
+            print(f"llamacpp: skipped ({why})", file=sys.stderr)
+            systems.remove("llamacpp")
     prompts = pick_prompts(args)
     pld = (args.pld_tokens, args.pld_ngram)
     if args.pld_sweep and "pld_tuned" in systems:
@@ -376,7 +476,7 @@ def main(argv=None):
     for s in systems:
         run_system(s, model, warm, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}), counter,
                    run_system("greedy", model, warm, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}),
-                              counter, None, pld)[1], pld)
+                              counter, None, pld)[1], pld, extra)
 
     records = []
     started = time.perf_counter()
@@ -387,12 +487,20 @@ def main(argv=None):
         first.identical = True
         runs = [first]
         bar.update(1)
+        references = {s: answer for s in systems}
+        if "greedy_compiled" in systems:  # the compiled systems' own reference, timed as its first run
+            compiled, references["lookupdec_compiled"] = run_system("greedy_compiled", model, ids, args, counter,
+                                                                    answer, pld, extra)
+            runs.append(compiled)
+            references["greedy_compiled"] = answer  # whether compiled plain decoding matches eager: recorded
+            bar.update(1)
         for rep in range(args.reps):
             order = systems[(i + rep) % len(systems):] + systems[:(i + rep) % len(systems)]
             for s in order:
-                if s == "greedy" and rep == 0:
+                if s in ("greedy", "greedy_compiled") and rep == 0:
                     continue
-                run, _ = run_system(s, model, ids, args, counter, None if args.sample else answer, pld)
+                run, _ = run_system(s, model, ids, args, counter, None if args.sample else references[s], pld,
+                                    extra)
                 runs.append(run)
                 bar.update(1)
                 bar.set_postfix_str(f"{p.name} {s}")

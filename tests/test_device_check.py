@@ -17,7 +17,7 @@ from lookupdec import DrafterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
-STAGES = ["exact32", "curves", "speed", "exact16", "vllm"]  # in the order they run
+STAGES = ["exact32", "curves", "speed", "exact16", "compiled", "vllm"]  # in the order they run
 CURVES = ["135M", "0.5B", "1.5B", "7B"]  # research/simulate.py --cost-curve NAME reads them by these names
 SYSTEMS = ["greedy", "pld", "lookupdec"]
 NUMBER = "number"  # an int or a float (json writes 2.0 and 2 alike once read back)
@@ -40,6 +40,11 @@ RATE = {"tokens": int, "seconds": NUMBER, "tokens_per_s": NUMBER}
 BATCH = {"batch": int, "rows": int, **dict.fromkeys(SYSTEMS, dict), "rows_equal_alone": int,
          "lookupdec_tokens_per_pass": NUMBER, "lookupdec_x_greedy": NUMBER, "lookupdec_vs_pld": NUMBER}
 BATCHED = {**BATCH, "rows_equal_plain_batched": int, "plain_rows_equal_alone": int, "lookupdec_passes": int}
+FAST = ["greedy", "greedy_compiled", "lookupdec", "lookupdec_compiled"]  # the compiled stage's systems
+COMPILED = {"model": str, "prompts": list, "new_tokens": int, "backend": str, "cut_short": bool, "first_call_s": dict,
+            "single": list, "greedy_compiled_x_greedy": NUMBER, "lookupdec_compiled_x_greedy_compiled": NUMBER,
+            "best_lookupdec_x_fastest_plain": NUMBER, "greedy_compiled_identical": int, "lookupdec_identical": int,
+            "lookupdec_compiled_identical": int}
 
 
 def _fields(part, schema: dict, where: str) -> None:
@@ -137,3 +142,20 @@ def test_dry_run_speed(dry_run):
         if batch["batch"] > 1:
             assert batch["rows"] == batch["batch"] and batch["rows_equal_plain_batched"] == batch["rows"]
     assert [b["batch"] for b in speed["batches"]][0] == 1 and len(speed["batches"]) > 1  # batch 1 and a batch
+
+
+def test_dry_run_compiled(dry_run):
+    compiled = dry_run["compiled"]
+    _fields(compiled, COMPILED, "compiled")
+    assert compiled["backend"] == "eager" and not compiled["cut_short"] and compiled["single"]  # traced, no kernels
+    assert sorted(compiled["first_call_s"]) == sorted(FAST)
+    for i, row in enumerate(compiled["single"]):
+        _fields(row, {"prompt": str, "suite": str, **dict.fromkeys(FAST, dict)}, f"compiled.single[{i}]")
+        for system in FAST:
+            timing = {k: v for k, v in RUN.items() if system != "greedy" or k != "identical"}  # greedy: the reference
+            _fields(row[system], timing, f"compiled.single[{i}].{system}")
+        # fp32 on a CPU with a traced (not generated) forward: every output is its reference's
+        assert row["greedy_compiled"]["identical"] and row["lookupdec_compiled"]["identical"]
+        assert row["lookupdec"]["identical"] and row["lookupdec_compiled"]["passes"] <= row["greedy"]["passes"]
+    n = len(compiled["single"])
+    assert compiled["lookupdec_compiled_identical"] == compiled["greedy_compiled_identical"] == n

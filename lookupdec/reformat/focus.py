@@ -590,15 +590,14 @@ def implied_writes(entry: Entry, clauses: Sequence[Clause]) -> list[str | None]:
     """What ``clauses`` (the ones that chose ``entry``) imply the entry becomes, most direct first and without
     repeats: the new scalar's text for each value a clause gives (:func:`implied`: ``REV_SERVER=false`` for
     ``REV_SERVER=true`` and ``to false``), or None for a clause that only removes. Empty for a clause that gives
-    no value (``enable the cache``, ``change the port``): what to write there is the model's to say."""
+    no value (``enable the cache``, ``change the port``, ``replace mariadb``): what to write there is the model's
+    to say (the check lets a replacement take any literal the clause names; this list takes only given values)."""
     out: list[str | None] = []
     for clause in clauses:
         if clause.removes and not (clause.gives_value or clause.renames or clause.replaces):
             out.append(None)
             continue
-        if not (clause.gives_value or clause.replaces):
-            continue
-        for value in clause.given if clause.gives_value else clause.given + clause.context_given:
+        for value in clause.given if clause.gives_value else ():
             if isinstance(entry.value, str):
                 out += sorted(implied(entry.value, value, clause.old), key=lambda v: (v != value, v))
             elif not isinstance(entry.value, (dict, list, Tagged)):
