@@ -69,13 +69,22 @@ COMPILED = ("greedy_compiled", "lookupdec_compiled")
 
 class CompiledForward:
     """``torch.compile`` of the model's forward, made once and swapped in only for the compiled systems' calls.
-    ``backend``: inductor (the fast path); ``eager`` traces without generating kernels (device_check's dry run)."""
+    ``backend``: inductor (the fast path); ``eager`` traces without generating kernels (device_check's dry run).
+
+    Both compiled systems share dynamo's cache, which is kept per code object: at its default limit of 8 graphs
+    per function, lookupdec's widths and the layers' cache updates (one graph per ``layer_idx``) used it up and
+    pushed plain decoding off its graphs (0.80-0.99x eager in one run). So the limit is raised to 64 and integer
+    module attributes are traced as dynamic, for this process."""
 
     def __init__(self, model, backend: str = "inductor"):
         self.model, self.backend, self.compiled = model, backend, None
 
     def __enter__(self):
         if self.compiled is None:
+            import torch._dynamo
+
+            torch._dynamo.config.recompile_limit = 64
+            torch._dynamo.config.allow_unspec_int_on_nn_module = True
             self.compiled = torch.compile(self.model.forward, backend=self.backend)
         self.model.forward = self.compiled
         return self
