@@ -80,7 +80,9 @@ minutes each with the generations (an estimate: vLLM has not run on a GPU here),
 its version; the stage runs only with at least 120 s of the budget left, and each engine's process is killed at
 the budget's end. With the wheels' install and the imports (~30 s), about 4-5 minutes without vLLM and 6-8 with it;
 ``--budget-s`` (450) skips or cuts short what would run past it, and the stage timeouts keep the whole under 8
-minutes. The four first stages leave vLLM about 2-3 minutes of the 450 s, which may not be enough: it can run alone
+minutes. The ``compiled`` stage's compiles (on this CPU 65-78 s for plain decoding, minutes more for lookupdec's
+widths) are not bounded inside a call; on a GPU, give it a call of its own (``--stages compiled``) if the others
+leave it little. The four first stages leave vLLM about 2-3 minutes of the 450 s, which may not be enough: it can run alone
 in a call of its own (``--stages vllm``, with the wheels and, to check a real model, the carried .gguf).
 
 Examples::
