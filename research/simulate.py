@@ -470,7 +470,7 @@ class _HindsightDrafter(Drafter):
         self.start_len = len(self.session.index)  # the index then grows by exactly the committed output
         return self.session
 
-    def length(self, offers, *, must_draft=False) -> int:
+    def length(self, offers, *, must_draft=False, fixed=False) -> int:
         (offer,) = offers
         done = len(self.session.index) - self.start_len
         return self.choose(offer, _common_prefix(offer.tokens.tolist(), self.answer[done:]))
