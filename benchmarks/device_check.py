@@ -1132,7 +1132,9 @@ def main(argv=None) -> int:
         timeout = max(10.0, min(plan.test_timeout_s, deadline - time.perf_counter()))
         return run_tests(test_device, dtype_name, select, timeout)
 
-    def speed_stage():
+    def model_stage(key, measure):
+        """A stage timing systems on the quick prompts with the speed model: ``measure(model, tokenizer, prompts,
+        plan, deadline)`` (:func:`speed`, :func:`compiled_speed`), the model freed after it."""
         from benchmarks.run import pick_prompts
 
         prompts = pick_prompts(argparse.Namespace(suites=list(plan.suites), per_suite=plan.per_suite))
@@ -1140,33 +1142,18 @@ def main(argv=None) -> int:
             prompts = prompts[:2]
         model, tokenizer, what = speed_model(args.model, device, dtype, plan)
         try:
-            result = speed(model, tokenizer, prompts, plan, deadline - plan.reserve_speed)
+            result = measure(model, tokenizer, prompts, plan, deadline - plan.reserve_speed)
         finally:
             del model
             gc.collect()
-        return "speed", {"model": what, **result}
+        return key, {"model": what, **result}
 
     stage("exact32", lambda: ("exact32", exact("float32", plan.tests_k)))
     stage("curves", lambda: ("cost_curves", cost_curves(tiny_shapes() if plan.dry_run else SHAPES, device, dtype,
                                                          plan, deadline - plan.reserve_curves)))
-    stage("speed", speed_stage)
+    stage("speed", lambda: model_stage("speed", speed))
     stage("exact16", lambda: ("exact16", exact("bfloat16", plan.tests_k16)))
-
-    def compiled_stage():
-        from benchmarks.run import pick_prompts
-
-        prompts = pick_prompts(argparse.Namespace(suites=list(plan.suites), per_suite=plan.per_suite))
-        if plan.dry_run:
-            prompts = prompts[:2]
-        model, tokenizer, what = speed_model(args.model, device, dtype, plan)
-        try:
-            result = compiled_speed(model, tokenizer, prompts, plan, deadline - plan.reserve_speed)
-        finally:
-            del model
-            gc.collect()
-        return "compiled", {"model": what, **result}
-
-    stage("compiled", compiled_stage)
+    stage("compiled", lambda: model_stage("compiled", compiled_speed))
 
     def vllm_progress(partial):  # the first engine's run is kept should the second not finish
         report["vllm"] = partial

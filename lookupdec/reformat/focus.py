@@ -129,6 +129,12 @@ class Clause:
         """Whether the clause says what the new value is (so a changed value must be one it gives)."""
         return bool(self.new) or self.booleans
 
+    @property
+    def only_removes(self) -> bool:
+        """Whether the clause takes something out and puts nothing in its place (no value, rename or
+        replacement)."""
+        return self.removes and not (self.gives_value or self.renames or self.replaces)
+
 
 @dataclass(frozen=True)
 class Instruction:
@@ -496,7 +502,7 @@ def _clause_refuses(clause: Clause, change: Change, targets: Sequence[Entry]) ->
     if change.kind == "removed":
         return None if clause.removes or clause.renames else (
             f"it removes {format_path(change.path)}, which the instruction does not ask to remove")
-    if change.kind == "added" and clause.removes and not (clause.gives_value or clause.renames or clause.replaces):
+    if change.kind == "added" and clause.only_removes:
         return f"it writes {change}, which an instruction that only removes does not add"
     if isinstance(change.new, bool) or change.kind == "changed" and isinstance(change.old, bool):
         if not clause.booleans:
@@ -594,7 +600,7 @@ def implied_writes(entry: Entry, clauses: Sequence[Clause]) -> list[str | None]:
     to say (the check lets a replacement take any literal the clause names; this list takes only given values)."""
     out: list[str | None] = []
     for clause in clauses:
-        if clause.removes and not (clause.gives_value or clause.renames or clause.replaces):
+        if clause.only_removes:
             out.append(None)
             continue
         for value in clause.given if clause.gives_value else ():
