@@ -207,7 +207,7 @@ def model_folder(name: str | None = None, *, progress: bool = False) -> str:
         return name
     folder = _converted_folder(gguf)
     if not (folder / "config.json").is_file():
-        del _load_gguf(gguf, _Placement(torch.float32, "cpu"), progress)[0]
+        _load_gguf(gguf, _Placement(torch.float32, "cpu"), progress)  # converts into `folder`; the model is dropped
         if not (folder / "config.json").is_file():
             raise ModelLoadError(f"cannot convert {name!r} into {folder}: the cache folder is not writable")
     return str(folder)

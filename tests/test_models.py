@@ -270,6 +270,22 @@ def test_corrupt_cache_folder_is_discarded_with_a_warning_and_rebuilt(tmp_cache,
 
 
 @pytest.mark.slow
+def test_model_folder_converts_into_an_empty_cache_and_then_reuses_it(tmp_cache, monkeypatch, smollm2):
+    # What vLLM's engine loads on a fresh machine: the folder the first call converts, found again by the second.
+    conversions = []
+
+    def convert(gguf, progress):  # stands in for the de-quantization; the result is the same model
+        conversions.append(gguf)
+        return smollm2
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    folder = models.model_folder()
+    assert folder == str(tmp_cache / "models" / _cache_key(models.embedded_gguf_path()))
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(folder))
+    assert models.model_folder("smollm2") == folder and len(conversions) == 1
+
+
+@pytest.mark.slow
 def test_unwritable_cache_still_returns_the_converted_model(tmp_cache, monkeypatch, caplog, smollm2):
     monkeypatch.setattr(models, "_convert_gguf", lambda gguf, progress: smollm2)
 
