@@ -9,7 +9,7 @@ Two measurements, each the median over ``--reps`` timed calls of ``LLM.generate`
   between generating 33 tokens and 1, over 32 steps (the prefill and the call's overhead cancel).
 - **chunk**: one request whose first ``--context`` tokens are already in vLLM's prefix cache, with ``n`` more to
   prefill: one step scheduling ``n`` tokens after a context, which is what verifying an ``n - 1``-token draft costs
-  (the same forward over ``n`` positions); the call's own overhead is measured with ``n`` = 1 and reported apart.
+  (the same forward over ``n`` positions); each call's own overhead is part of the fitted line's base.
 
 Prints a table and a fitted line (ms per step = base + per_token * tokens) per measurement, as JSON last.
 """
@@ -23,8 +23,6 @@ import statistics
 import time
 
 import numpy as np
-
-CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
 def _fit(points: list) -> tuple:
@@ -44,8 +42,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--model", default=None, help="a model folder (default: the embedded model's)")
     args = parser.parse_args()
-    for key, value in CPU_ENV.items():
-        os.environ.setdefault(key, value)
+    from lookupdec.vllm.launch import environment  # imports no torch: the thread settings below still apply
+
+    os.environ.update(environment(cpu=True))  # the CPU settings `serve --engine vllm` starts vLLM with, where unset
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
