@@ -207,8 +207,9 @@ def model_folder(name: str | None = None, *, progress: bool = False) -> str:
         return name
     folder = _converted_folder(gguf)
     if not (folder / "config.json").is_file():
-        _load_gguf(gguf, _Placement(torch.float32, "cpu"), progress)  # converts into `folder`; the model is dropped
-        if not (folder / "config.json").is_file():
+        if folder.is_dir():  # a folder is installed whole (_install), so one without its config is broken
+            _discard(folder)
+        if _convert_into_cache(gguf, progress) is not None or not (folder / "config.json").is_file():
             raise ModelLoadError(f"cannot convert {name!r} into {folder}: the cache folder is not writable")
     return str(folder)
 
@@ -257,26 +258,36 @@ def _load_gguf(gguf: Path, place: _Placement, progress: bool) -> tuple[PreTraine
                            folder, _one_line(err), gguf)
             _discard(folder)
 
-    seconds = max(5, round(gguf.stat().st_size / 4e6 / 5) * 5)  # ~25 s per 100 MB measured on 2 cores
-    _say(progress, f"converting {gguf.name} GGUF weights (first load only, ~{seconds} s)...")
-    model, tokenizer = _convert_gguf(gguf, progress)
-    try:
-        _install(folder, model, tokenizer, progress)
-    except OSError as err:  # read-only or full cache disk: still usable, just slow again next time
-        logger.warning("cannot cache converted model in %s (%s); the next load will convert again",
-                       folder, _one_line(err))
+    unsaved = _convert_into_cache(gguf, progress)
+    if unsaved is not None:  # read-only or full cache disk: still usable, just slow again next time
+        model, tokenizer = unsaved
         if place.dtype != "auto":
             model = model.to(place.dtype)
         if isinstance(place.device_map, str) and place.device_map not in ("auto", "balanced", "balanced_low_0",
                                                                           "sequential"):
             model = model.to(place.device_map)  # one device; a placement over several needs the cached folder
         return model.eval(), tokenizer
-    del model  # read back from the cache below, so first and later loads return the very same weights
-    _say(progress, f"cached converted weights in {folder}")
-    try:
+    try:  # read back from the cache, so first and later loads return the very same weights
         return _load_pretrained(str(folder), place, progress, local_files_only=True)
     except Exception as err:
         raise ModelLoadError(f"cannot read back the converted model from {folder}: {_one_line(err)}") from err
+
+
+def _convert_into_cache(gguf: Path, progress: bool) -> tuple | None:
+    """Convert `gguf` into its cache folder. None once the folder holds it; where the folder cannot be written,
+    the converted ``(model, tokenizer)`` instead (with a warning), for a caller that can use them as they are."""
+    folder = _converted_folder(gguf)
+    seconds = max(5, round(gguf.stat().st_size / 4e6 / 5) * 5)  # ~25 s per 100 MB measured on 2 cores
+    _say(progress, f"converting {gguf.name} GGUF weights (first load only, ~{seconds} s)...")
+    model, tokenizer = _convert_gguf(gguf, progress)
+    try:
+        _install(folder, model, tokenizer, progress)
+    except OSError as err:
+        logger.warning("cannot cache converted model in %s (%s); the next load will convert again",
+                       folder, _one_line(err))
+        return model, tokenizer
+    _say(progress, f"cached converted weights in {folder}")
+    return None
 
 
 def _convert_gguf(gguf: Path, progress: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

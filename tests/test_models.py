@@ -278,11 +278,19 @@ def test_model_folder_converts_into_an_empty_cache_and_then_reuses_it(tmp_cache,
         conversions.append(gguf)
         return smollm2
 
+    def read_back(*args, **kwargs):  # the engine loads the folder itself: converting must not load it again
+        raise AssertionError("model_folder read the converted weights back")
+
     monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setattr(models, "_load_pretrained", read_back)
     folder = models.model_folder()
     assert folder == str(tmp_cache / "models" / _cache_key(models.embedded_gguf_path()))
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(folder))
     assert models.model_folder("smollm2") == folder and len(conversions) == 1
+    # A folder without its config (not one _install leaves) is converted again, not handed to the engine.
+    os.remove(os.path.join(folder, "config.json"))
+    assert models.model_folder() == folder and len(conversions) == 2
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(folder))
 
 
 @pytest.mark.slow
