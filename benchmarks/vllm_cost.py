@@ -25,6 +25,20 @@ import time
 import numpy as np
 
 
+class ZeroProposer:
+    """A vLLM ``custom_class`` proposer that drafts nothing: vLLM's speculative path with no drafts, to time that
+    path alone (``benchmarks.serve --servers vllm-zero``)."""
+
+    def __init__(self, vllm_config):
+        pass
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load (vLLM's CPU runner calls this on every drafter)."""
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list:
+        return [[] for _ in sampled_token_ids]
+
+
 def _fit(points: list) -> tuple:
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)

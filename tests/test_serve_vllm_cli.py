@@ -67,6 +67,18 @@ def test_dtype_default_means_what_it_means_for_lookupdecs_own_engine():
     assert (dtype("fp32", False), dtype("bf16", True), dtype("fp16", True)) == ("float32", "bfloat16", "float16")
 
 
+def test_vllm_gets_the_cpu_settings_only_where_the_user_left_them_unset(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "6")
+    env = launch.environment(cpu=True)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("nobind", "6")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.environment(cpu=False)  # a GPU's vLLM gets the env as it is
+    base = {"OMP_NUM_THREADS": "1"}  # another starting point (the benchmarks' servers), left as it was
+    assert launch.environment(cpu=True, base=base) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                                       "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert base == {"OMP_NUM_THREADS": "1"}
+
+
 def test_an_untested_vllm_is_refused_with_a_message(monkeypatch):
     from lookupdec.vllm import _internals
 

@@ -67,8 +67,9 @@ def command(options: VllmOptions, model_folder: str, served_name: str, cpu: bool
     return args + list(options.extra)
 
 
-def environment(cpu: bool) -> dict:
-    env = dict(os.environ)
+def environment(cpu: bool, base: dict | None = None) -> dict:
+    """The environment vLLM starts in: ``base`` (default: this process's), with the CPU settings where unset."""
+    env = dict(os.environ if base is None else base)
     if cpu:
         for key, value in _CPU_ENV.items():
             env.setdefault(key, value)
