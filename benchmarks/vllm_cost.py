@@ -39,6 +39,18 @@ class ZeroProposer:
         return [[] for _ in sampled_token_ids]
 
 
+def timed_generate(llm, prompts: list, max_tokens: int) -> float:
+    """Seconds for ``llm`` (vLLM's ``LLM``) to generate exactly ``max_tokens`` greedy tokens for each prompt (token
+    ids), end of sequence ignored."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
 def _fit(points: list) -> tuple:
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
@@ -60,8 +72,7 @@ def main() -> None:
 
     os.environ.update(environment(cpu=True))  # the CPU settings `serve --engine vllm` starts vLLM with, where unset
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from lookupdec.models import model_folder
 
@@ -74,10 +85,7 @@ def main() -> None:
         return (rng.integers(100, 100 + vocab, n)).tolist()
 
     def timed(prompts: list, max_tokens: int) -> float:
-        params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - start
+        return timed_generate(llm, prompts, max_tokens)
 
     timed([fresh(args.context)], 8)  # warm-up: compiled graphs, allocator
     decode = []

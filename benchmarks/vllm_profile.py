@@ -99,9 +99,9 @@ def main() -> None:
     os.environ.update(environment(cpu=True))
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
+    from benchmarks.vllm_cost import timed_generate
     from lookupdec.models import model_folder
 
     spec = None
@@ -114,12 +114,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     def run(max_tokens: int) -> float:
-        prompts = [TokensPrompt(prompt_token_ids=rng.integers(100, 1100, args.context).tolist())
-                   for _ in range(args.rows)]
-        params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+        prompts = [rng.integers(100, 1100, args.context).tolist() for _ in range(args.rows)]
+        return timed_generate(llm, prompts, max_tokens)
 
     run(8)  # warm-up
     if not args.mp:  # in-process, the timers see every call
