@@ -1,0 +1,212 @@
+"""Replay ``benchmarks/serve.py``'s closed loop on a simulated engine that pays per scheduled token, as vLLM does.
+
+The vLLM runs of issue 24 cost about 26 minutes for one interleaved comparison, and identical runs differ by 10%:
+too slow and too noisy to choose a drafting policy by. Under greedy decoding what a draft gets accepted is fixed
+by the target's output, so this script computes each request's greedy answer once (transformers, the embedded
+model, the chat template vLLM applies; cached in ``--out``), then replays the benchmark's requests through a
+simulated engine:
+
+- ``--concurrency`` clients, each sending the next request in ``build_requests``' order when its last one ends
+  (the benchmark's closed loop); an admitted request's prompt is prefilled within the next step, which also
+  yields its first token (vLLM's chunked prefill, one chunk);
+- a step costs ``base + per_token * tokens`` (:class:`lookupdec.policy.TokenCost`'s line; defaults: the line the
+  proposer fitted on the served vLLM passes, ``benchmarks/RESULTS.md``), its tokens being each decoding row's last
+  token and its draft, and the prefills;
+- after every step the policy under study drafts for each decoding row through lookupdec's own driver (a
+  ``Drafter`` shared by all requests, so the rolling cache works as on the server; ``session.offer`` and
+  ``session.take``, as :class:`lookupdec.vllm.proposer.LookupProposer` does), each row keeps the longest prefix
+  of its draft that matches its answer, plus one token.
+
+It reports what ``benchmarks/serve.py`` reports against plain decoding (the same loop without drafts):
+throughput, the median edit latency and each open-ended request's speed. It is a tuning tool: the truth is the
+served run. It cannot see what the real engine adds (the scheduler's own time, the processes' contention on two
+cores, the noise), so compare policies with it, and confirm a choice with ``benchmarks/serve.py``.
+
+Examples::
+
+    python -m research.serve_sim --out /tmp/serve_sim
+    python -m research.serve_sim --out /tmp/serve_sim --policies unbounded slowdown:0.25 cap:24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.serve import build_requests
+from lookupdec.drafter import Drafter, DrafterConfig
+from lookupdec.policy import token_lengths
+
+# What the proposer's own fit found on the served passes (RESULTS.md, issue 24): 48-52 ms + 2.6-2.8 ms a token.
+BASE_S, PER_TOKEN_S = 0.050, 0.0027
+MAX_DRAFT = 16  # lookupdec.vllm.launch.MAX_DRAFT
+
+
+@dataclass
+class Job:
+    name: str
+    kind: str
+    prompt: list
+    answer: list  # greedy output, EOS included where the model stopped
+    prediction: list | None
+    max_tokens: int
+
+
+@dataclass
+class Live:
+    job: Job
+    admitted: float
+    done: int = 0  # answer tokens committed
+    session: object = None
+    draft: list = field(default_factory=list)
+
+
+def answers(out: Path, n_requests: int, max_tokens: int) -> tuple:
+    """The benchmark's requests as token ids with their greedy answers (computed once, then read from ``out``)."""
+    path = out / f"answers_{n_requests}_{max_tokens}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        return [Job(**j) for j in data["jobs"]], data["eos"]
+    import torch
+
+    from lookupdec.models import load_model
+
+    model, tok = load_model(None)
+    eos = int(tok.convert_tokens_to_ids("<|im_end|>"))
+    jobs = []
+    for req in build_requests(n_requests, max_tokens):
+        prompt = tok.apply_chat_template([{"role": "user", "content": req.user}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+        prompt = [int(t) for t in (prompt["input_ids"] if isinstance(prompt, dict) else prompt)]
+        with torch.inference_mode():
+            seq = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+        pred = None if req.prediction is None else tok(req.prediction, add_special_tokens=False)["input_ids"]
+        jobs.append(Job(req.name, req.kind, prompt, [int(t) for t in seq], pred, max_tokens))
+        print(f"  {req.name}: {len(prompt)} prompt tokens, {len(seq)} answer tokens", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"eos": eos, "jobs": [j.__dict__ for j in jobs]}))
+    return jobs, eos
+
+
+def policy_lengths(policy: str, offers, base: float, per_token: float, others: int, margin: float) -> list:
+    """Each decoding row's draft length under ``policy``: ``unbounded`` (the proposer as committed),
+    ``slowdown:S`` (a pass at most ``1 + S`` plain ones), ``cap:N`` (at most N drafted tokens a step)."""
+    kind, _, arg = policy.partition(":")
+    if kind == "unbounded":
+        return token_lengths(offers, base, per_token, others=others, margin=margin)
+    if kind == "slowdown":
+        return token_lengths(offers, base, per_token, others=others, margin=margin, slowdown=float(arg))
+    if kind == "cap":
+        lengths = token_lengths(offers, base, per_token, others=others, margin=margin)
+        cap = int(arg)
+        while sum(lengths) > cap:  # trim the longest draft first: its last token is the least likely kept
+            lengths[int(np.argmax(lengths))] -= 1
+        return lengths
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def run(jobs: list, eos: int, concurrency: int, policy: str | None, base: float, per_token: float,
+        prefill_share: float = 1.0) -> dict:
+    """One closed-loop pass over ``jobs``; ``policy`` None is plain decoding. Returns the wall time and each
+    request's latency (admission to its last token)."""
+    lookup = policy is not None and not policy.startswith("oracle")
+    drafter = Drafter(DrafterConfig(max_draft=MAX_DRAFT, calibrate=False)) if lookup else None
+    queue, live, latency, clock = list(jobs), [], {}, 0.0
+    tokens_out = 0
+    while queue or live:
+        admitted = []
+        while queue and len(live) + len(admitted) < concurrency:
+            admitted.append(Live(queue.pop(0), clock))
+        tokens = sum(1 + len(r.draft) for r in live) + prefill_share * sum(len(r.job.prompt) for r in admitted)
+        clock += base + per_token * tokens
+        for r in live:  # verify: the longest matching prefix of the draft, plus one target token
+            truth = r.job.answer[r.done:]
+            keep = 0
+            while keep < len(r.draft) and keep < len(truth) - 1 and r.draft[keep] == truth[keep]:
+                keep += 1
+            new = truth[: keep + 1]
+            r.done += len(new)
+            if r.session is not None:
+                r.session.commit(new)
+        for r in admitted:  # the prefill yields the first token
+            r.done = 1
+            if drafter is not None:
+                r.session = drafter.start(r.job.prompt, eos_ids=[eos], prediction=r.job.prediction)
+                r.session.commit(r.job.answer[:1])
+        live += admitted
+        for r in [r for r in live if r.done >= len(r.job.answer)]:
+            latency[r.job.name] = clock - r.admitted
+            tokens_out += len(r.job.answer)
+            if r.session is not None:
+                r.session.finish()
+            live.remove(r)
+        for r in live:
+            r.draft = []
+        if policy is not None and policy.startswith("oracle") and live:
+            # A bound no drafter reaches: the true continuation, free of waste, up to N tokens; "oracle-edits"
+            # drafts for edit requests only (the open-ended ones have nothing to copy).
+            most = int(policy.partition(":")[2] or MAX_DRAFT)
+            for r in live:
+                if r.job.kind == "edit" or not policy.startswith("oracle-edits"):
+                    r.draft = r.job.answer[r.done:r.done + most][: len(r.job.answer) - r.done - 1]
+        elif drafter is not None and live:
+            # As the proposer: room left under max_tokens (it cannot know where the answer will stop).
+            limits = [min(MAX_DRAFT, r.job.max_tokens - r.done - 1) for r in live]
+            rows = [(r, lim) for r, lim in zip(live, limits) if lim > 0]
+            offers = [r.session.offer(lim) for r, lim in rows]
+            # others=0: the proposer cannot know which prompts the next step will prefill beside the drafts
+            lengths = policy_lengths(policy, offers, base, per_token, others=0,
+                                     margin=drafter.drafter_config.margin())
+            for (r, _), length in zip(rows, lengths):
+                r.draft = [int(t) for t in r.session.take(length)]
+    return {"wall": clock, "latency": latency, "tokens": tokens_out}
+
+
+def compare(jobs, eos, concurrency, policies, base, per_token, prefill_share=1.0) -> list:
+    plain = run(jobs, eos, concurrency, None, base, per_token, prefill_share)
+    kinds = {j.name: j.kind for j in jobs}
+    rows = []
+    for policy in policies:
+        got = run(jobs, eos, concurrency, policy, base, per_token, prefill_share)
+        speed = {n: plain["latency"][n] / got["latency"][n] for n in got["latency"]}
+        opens = sorted(round(s, 2) for n, s in speed.items() if kinds[n] == "open")
+        edits = [s for n, s in speed.items() if kinds[n] == "edit"]
+        rows.append({"c": concurrency, "policy": policy, "throughput": plain["wall"] / got["wall"],
+                     "edit_median": statistics.median(edits), "open": opens})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/serve_sim"))
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--policies", nargs="+", default=["unbounded", "slowdown:1.0", "slowdown:0.25", "cap:24"],
+                    help="unbounded (the proposer as committed), slowdown:S, cap:N, and the bounds oracle[:N] (every "
+                         "row drafts its true answer, N tokens at most) and oracle-edits[:N] (edit requests only)")
+    ap.add_argument("--base-ms", type=float, default=BASE_S * 1e3)
+    ap.add_argument("--per-token-ms", type=float, default=PER_TOKEN_S * 1e3)
+    ap.add_argument("--prefill-share", type=float, default=1.0,
+                    help="what a prompt token costs against a decoding one (0: prefills free, to isolate them)")
+    args = ap.parse_args(argv)
+    jobs, eos = answers(args.out, args.requests, args.max_tokens)
+    print(f"step = {args.base_ms} ms + {args.per_token_ms} ms per scheduled token; ratios against plain decoding "
+          f"in the same simulated loop")
+    print("| c | policy | throughput | median edit speed | open-ended speed, per request |")
+    print("|---|---|---|---|---|")
+    for c in args.levels:
+        for row in compare(jobs, eos, c, args.policies, args.base_ms / 1e3, args.per_token_ms / 1e3,
+                           args.prefill_share):
+            opens = ", ".join(f"{s:.2f}" for s in row["open"])
+            print(f"| {c} | {row['policy']} | {row['throughput']:.2f}x | {row['edit_median']:.2f}x | {opens} |")
+
+
+if __name__ == "__main__":
+    main()
