@@ -6,7 +6,7 @@ by the target's output, so this script computes each request's greedy answer onc
 model, the chat template vLLM applies; cached in ``--out``), then replays the benchmark's requests through a
 simulated engine:
 
-- ``--concurrency`` clients, each sending the next request in ``build_requests``' order when its last one ends
+- ``--levels``: that many clients, each sending the next request in ``build_requests``' order when its last one ends
   (the benchmark's closed loop); an admitted request's prompt is prefilled within the next step, which also
   yields its first token (vLLM's chunked prefill, one chunk);
 - a step costs ``base + per_token * tokens`` (:class:`lookupdec.policy.TokenCost`'s line; defaults: the line the
@@ -18,7 +18,7 @@ simulated engine:
   of its draft that matches its answer, plus one token.
 
 It reports what ``benchmarks/serve.py`` reports against plain decoding (the same loop without drafts):
-throughput, the median edit latency and each open-ended request's speed. It is a tuning tool: the truth is the
+throughput, the median edit speed and each open-ended request's speed (plain latency over simulated). It is a tuning tool: the truth is the
 served run. It cannot see what the real engine adds (the scheduler's own time, the processes' contention on two
 cores, the noise), so compare policies with it, and confirm a choice with ``benchmarks/serve.py``.
 
@@ -41,10 +41,10 @@ import numpy as np
 from benchmarks.serve import build_requests
 from lookupdec.drafter import Drafter, DrafterConfig
 from lookupdec.policy import token_lengths
+from lookupdec.vllm.launch import MAX_DRAFT
 
 # What the proposer's own fit found on the served passes (RESULTS.md, issue 24): 48-52 ms + 2.6-2.8 ms a token.
 BASE_S, PER_TOKEN_S = 0.050, 0.0027
-MAX_DRAFT = 16  # lookupdec.vllm.launch.MAX_DRAFT
 
 
 @dataclass
@@ -112,11 +112,11 @@ def policy_lengths(policy: str, offers, base: float, per_token: float, others: i
 
 
 def run(jobs: list, eos: int, concurrency: int, policy: str | None, base: float, per_token: float,
-        prefill_share: float = 1.0) -> dict:
+        prefill_share: float = 1.0, max_draft: int = MAX_DRAFT) -> dict:
     """One closed-loop pass over ``jobs``; ``policy`` None is plain decoding. Returns the wall time and each
     request's latency (admission to its last token)."""
     lookup = policy is not None and not policy.startswith("oracle")
-    drafter = Drafter(DrafterConfig(max_draft=MAX_DRAFT, calibrate=False)) if lookup else None
+    drafter = Drafter(DrafterConfig(max_draft=max_draft, calibrate=False)) if lookup else None
     queue, live, latency, clock = list(jobs), [], {}, 0.0
     tokens_out = 0
     while queue or live:
@@ -151,13 +151,13 @@ def run(jobs: list, eos: int, concurrency: int, policy: str | None, base: float,
         if policy is not None and policy.startswith("oracle") and live:
             # A bound no drafter reaches: the true continuation, free of waste, up to N tokens; "oracle-edits"
             # drafts for edit requests only (the open-ended ones have nothing to copy).
-            most = int(policy.partition(":")[2] or MAX_DRAFT)
+            most = int(policy.partition(":")[2] or max_draft)
             for r in live:
                 if r.job.kind == "edit" or not policy.startswith("oracle-edits"):
                     r.draft = r.job.answer[r.done:r.done + most][: len(r.job.answer) - r.done - 1]
         elif drafter is not None and live:
             # As the proposer: room left under max_tokens (it cannot know where the answer will stop).
-            limits = [min(MAX_DRAFT, r.job.max_tokens - r.done - 1) for r in live]
+            limits = [min(max_draft, r.job.max_tokens - r.done - 1) for r in live]
             rows = [(r, lim) for r, lim in zip(live, limits) if lim > 0]
             offers = [r.session.offer(lim) for r, lim in rows]
             # others=0: the proposer cannot know which prompts the next step will prefill beside the drafts
@@ -168,12 +168,12 @@ def run(jobs: list, eos: int, concurrency: int, policy: str | None, base: float,
     return {"wall": clock, "latency": latency, "tokens": tokens_out}
 
 
-def compare(jobs, eos, concurrency, policies, base, per_token, prefill_share=1.0) -> list:
+def compare(jobs, eos, concurrency, policies, base, per_token, prefill_share=1.0, max_draft=MAX_DRAFT) -> list:
     plain = run(jobs, eos, concurrency, None, base, per_token, prefill_share)
     kinds = {j.name: j.kind for j in jobs}
     rows = []
     for policy in policies:
-        got = run(jobs, eos, concurrency, policy, base, per_token, prefill_share)
+        got = run(jobs, eos, concurrency, policy, base, per_token, prefill_share, max_draft)
         speed = {n: plain["latency"][n] / got["latency"][n] for n in got["latency"]}
         opens = sorted(round(s, 2) for n, s in speed.items() if kinds[n] == "open")
         edits = [s for n, s in speed.items() if kinds[n] == "edit"]
@@ -195,6 +195,8 @@ def main(argv=None) -> None:
     ap.add_argument("--per-token-ms", type=float, default=PER_TOKEN_S * 1e3)
     ap.add_argument("--prefill-share", type=float, default=1.0,
                     help="what a prompt token costs against a decoding one (0: prefills free, to isolate them)")
+    ap.add_argument("--max-draft", type=int, default=MAX_DRAFT,
+                    help=f"the longest draft (lookupdec serve --engine vllm asks vLLM for {MAX_DRAFT})")
     args = ap.parse_args(argv)
     jobs, eos = answers(args.out, args.requests, args.max_tokens)
     print(f"step = {args.base_ms} ms + {args.per_token_ms} ms per scheduled token; ratios against plain decoding "
@@ -203,7 +205,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|")
     for c in args.levels:
         for row in compare(jobs, eos, c, args.policies, args.base_ms / 1e3, args.per_token_ms / 1e3,
-                           args.prefill_share):
+                           args.prefill_share, args.max_draft):
             opens = ", ".join(f"{s:.2f}" for s in row["open"])
             print(f"| {c} | {row['policy']} | {row['throughput']:.2f}x | {row['edit_median']:.2f}x | {opens} |")
 
