@@ -38,7 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.run import encode
 from benchmarks.serve import build_requests
+from lookupdec._fs import atomic_write
 from lookupdec.drafter import Drafter, DrafterConfig
 from lookupdec.policy import token_lengths
 from lookupdec.vllm.launch import MAX_DRAFT
@@ -77,33 +79,34 @@ def answers(out: Path, n_requests: int, max_tokens: int) -> tuple:
     from lookupdec.models import load_model
 
     model, tok = load_model(None)
-    eos = int(tok.convert_tokens_to_ids("<|im_end|>"))
+    stop = model.generation_config.eos_token_id
+    eos = int(stop if isinstance(stop, int) else stop[0])
     jobs = []
     for req in build_requests(n_requests, max_tokens):
-        prompt = tok.apply_chat_template([{"role": "user", "content": req.user}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
-        prompt = [int(t) for t in (prompt["input_ids"] if isinstance(prompt, dict) else prompt)]
+        prompt = encode(tok, req.user)  # the chat template, as vLLM's OpenAI server applies it
         with torch.inference_mode():
-            seq = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+            seq = model.generate(prompt, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=eos)[0, prompt.shape[1]:].tolist()
         pred = None if req.prediction is None else tok(req.prediction, add_special_tokens=False)["input_ids"]
-        jobs.append(Job(req.name, req.kind, prompt, [int(t) for t in seq], pred, max_tokens))
-        print(f"  {req.name}: {len(prompt)} prompt tokens, {len(seq)} answer tokens", flush=True)
+        jobs.append(Job(req.name, req.kind, prompt[0].tolist(), seq, pred, max_tokens))
+        print(f"  {req.name}: {prompt.shape[1]} prompt tokens, {len(seq)} answer tokens", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"eos": eos, "jobs": [j.__dict__ for j in jobs]}))
+    with atomic_write(path) as f:
+        f.write(json.dumps({"eos": eos, "jobs": [j.__dict__ for j in jobs]}))
     return jobs, eos
 
 
-def policy_lengths(policy: str, offers, base: float, per_token: float, others: int, margin: float) -> list:
+def policy_lengths(policy: str, offers, base: float, per_token: float, margin: float) -> list:
     """Each decoding row's draft length under ``policy``: ``unbounded`` (the proposer as committed),
-    ``slowdown:S`` (a pass at most ``1 + S`` plain ones), ``cap:N`` (at most N drafted tokens a step)."""
+    ``slowdown:S`` (a pass at most ``1 + S`` plain ones), ``cap:N`` (at most N drafted tokens a step). No prefill
+    is priced beside the drafts: the proposer cannot know which prompts the next step will prefill."""
     kind, _, arg = policy.partition(":")
     if kind == "unbounded":
-        return token_lengths(offers, base, per_token, others=others, margin=margin)
+        return token_lengths(offers, base, per_token, margin=margin)
     if kind == "slowdown":
-        return token_lengths(offers, base, per_token, others=others, margin=margin, slowdown=float(arg))
+        return token_lengths(offers, base, per_token, margin=margin, slowdown=float(arg))
     if kind == "cap":
-        lengths = token_lengths(offers, base, per_token, others=others, margin=margin)
+        lengths = token_lengths(offers, base, per_token, margin=margin)
         cap = int(arg)
         while sum(lengths) > cap:  # trim the longest draft first: its last token is the least likely kept
             lengths[int(np.argmax(lengths))] -= 1
@@ -160,9 +163,7 @@ def run(jobs: list, eos: int, concurrency: int, policy: str | None, base: float,
             limits = [min(max_draft, r.job.max_tokens - r.done - 1) for r in live]
             rows = [(r, lim) for r, lim in zip(live, limits) if lim > 0]
             offers = [r.session.offer(lim) for r, lim in rows]
-            # others=0: the proposer cannot know which prompts the next step will prefill beside the drafts
-            lengths = policy_lengths(policy, offers, base, per_token, others=0,
-                                     margin=drafter.drafter_config.margin())
+            lengths = policy_lengths(policy, offers, base, per_token, margin=drafter.drafter_config.margin())
             for (r, _), length in zip(rows, lengths):
                 r.draft = [int(t) for t in r.session.take(length)]
     return {"wall": clock, "latency": latency, "tokens": tokens_out}
