@@ -18,9 +18,10 @@ Opt-in (``--systems``), for issue 26's fast path:
 
 - ``greedy_compiled``: plain ``model.generate`` on transformers' fast path, a static KV cache and
   ``torch.compile`` of the forward (inductor; the first call pays the compile, which the warm-up takes);
-- ``lookupdec_compiled``: ``lookupdec.generate`` as it ships (dynamic cache, any verification width) on the same
-  compiled forward. Its output is compared with ``greedy_compiled``'s (compiled kernels may round differently
-  from eager ones), so ``identical`` holds it to plain decoding on the same path;
+- ``lookupdec_compiled``: ``lookupdec.generate(cache_implementation="static")`` on the same compiled forward (a
+  preallocated cache, passes padded to a few fixed widths). Its output is compared with ``greedy_compiled``'s
+  (compiled kernels may round differently from eager ones), so ``identical`` holds it to plain decoding on the
+  same path;
 - ``llamacpp``: llama.cpp's plain greedy decoding of the same GGUF (``llama-cpp-python``, not a dependency; the
   system is dropped with a note where it is not installed or the model is not a .gguf). An anchor, not a
   reference: it decodes the quantized weights as stored, so its text may differ.
@@ -206,7 +207,8 @@ def run_system(system, model, ids, args, counter, answer, pld, extra=None):
                 out = model.generate(ids, attention_mask=mask, cache_implementation="static", **kw)
         elif system == "lookupdec_compiled":
             with extra["compiled"]:
-                res = lookupdec.generate(model, ids, attention_mask=mask, drafter=LookupDrafter(**args.drafter), **kw)
+                res = lookupdec.generate(model, ids, attention_mask=mask, drafter=LookupDrafter(**args.drafter),
+                                         cache_implementation="static", **kw)
             out, stats = res.sequences, res.stats
         elif system == "llamacpp":
             new = extra["llamacpp"].generate(ids[0].tolist(), args.max_new_tokens)

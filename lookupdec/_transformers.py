@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StaticCache, StoppingCriteriaList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import LogitsProcessor, TemperatureLogitsWarper
 
@@ -201,6 +201,19 @@ def batch_cache(model, *, blocks: bool = True) -> DynamicCache:
         raise NotImplementedError("batched lookup decoding needs a model without sliding-window attention; "
                                   "pass one row at a time")
     return _in_blocks(cache) if blocks else cache
+
+
+def static_cache(model, slots: int) -> StaticCache:
+    """A preallocated cache of ``slots`` positions for one row (transformers' ``StaticCache``, as
+    ``cache_implementation="static"`` gives ``model.generate``): every pass attends over the same number of slots,
+    so a compiled forward keeps its shapes, and a pass writes in place. ``crop`` only moves the write position back
+    (the rejected slots are overwritten by the next pass, and no query sees them: they lie after it). Raises
+    ``NotImplementedError`` for a model with sliding-window layers (a static window cannot roll back)."""
+    cache = StaticCache(config=model.config, max_cache_len=slots)
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise NotImplementedError("cache_implementation='static' needs a model without sliding-window attention "
+                                  "(a static window cannot roll back a rejected draft); use the dynamic cache")
+    return cache
 
 
 def _in_blocks(cache: DynamicCache) -> DynamicCache:

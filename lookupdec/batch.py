@@ -60,9 +60,11 @@ from ._transformers import (
     forward_params,
     gather_cache_slots,
     rollback_cache,
+    static_cache,
     target_forward,
 )
 from .drafter import EMPTY
+from .policy import padded_width
 from .stats import GenerationStats, LookupOutput
 from .verify import greedy_verdict
 
@@ -99,6 +101,20 @@ LONE_CHUNK_S: float | None = 0.25
 LONE_CHUNK_MIN = 48
 _CHUNK_FIRST = 128  # the budgets before any prefill pass was timed
 _LONE_FIRST = 512
+
+
+# Pass widths on a static cache (draft + 1 tokens, padded up to the next of these): a compiled forward keeps a
+# graph per width, and on a GPU a CUDA graph per width, so few widths and always the same; powers of two waste at
+# most half a pass's tokens on filler. A draft longer than 63 tokens (max_draft up to 256) pads to 128 or 256.
+STATIC_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STATIC_BLOCK = 256  # a static cache holds prompt + max_new_tokens slots, rounded up to whole blocks
+
+
+def static_width(span: int, room: int) -> int:
+    """The width of a pass of ``span`` tokens on a static cache with ``room`` free slots: the next of
+    :data:`STATIC_WIDTHS`, or ``span`` itself where the padding would not fit (the last passes of a full cache)."""
+    width = padded_width(span, STATIC_WIDTHS)
+    return width if width <= room else span
 
 
 class Row:
@@ -243,21 +259,31 @@ class BatchRun:
     at a time between steps, or :meth:`enqueue` and :meth:`prefill_pending` for a prefill in chunks), each
     :meth:`step` commits the last pass's tokens, lets finished rows go, and runs the next pass for the rest.
 
-    :attr:`single`: the model has sliding-window layers, so the run holds one row at a time, on a cache that can
-    roll back, and refuses a second.
+    :attr:`single`: the run holds one row at a time and refuses a second: the model has sliding-window layers (its
+    cache is one that can roll back), or ``static_slots`` was given.
+
+    ``static_slots``: the row runs on a preallocated cache of that many slots
+    (:func:`~lookupdec._transformers.static_cache`, ``cache_implementation="static"``), and each pass is padded to a
+    width of :data:`STATIC_WIDTHS` (the filler after the draft is computed and thrown away), so that a compiled
+    forward sees a few shapes, always the same ones, instead of a new one at every pass.
     """
 
-    def __init__(self, model, drafter):
+    def __init__(self, model, drafter, *, static_slots: int | None = None):
         self.model, self.drafter = model, drafter
         self.device = input_device(model)  # drafts go where the model reads its input; logits are read where they are
         self.params = forward_params(model)
         if "position_ids" not in self.params:
             raise NotImplementedError(f"{type(model).__name__}.forward takes no position_ids; batches need them")
-        try:
-            batch_cache(model)
-            self.single = False
-        except NotImplementedError:  # sliding-window layers
+        self.static_slots = static_slots
+        if static_slots is not None:
+            static_cache(model, 1)  # refuses sliding-window models before anything runs
             self.single = True
+        else:
+            try:
+                batch_cache(model)
+                self.single = False
+            except NotImplementedError:  # sliding-window layers
+                self.single = True
         self.rows: list[Row] = []  # running rows, in cache order
         self.joining: list[Row] = []  # rows whose prompt is being prefilled (enqueue), oldest first
         self.stats = GenerationStats()  # passes and model time of the whole batch
@@ -320,7 +346,7 @@ class BatchRun:
 
     def _check_room(self, row: Row) -> None:
         if self.single and (self.rows or self.joining):
-            raise RuntimeError("this model has sliding-window layers: it runs one row at a time")
+            raise RuntimeError("this run holds one row at a time (a sliding-window model, or a static cache)")
         if row in self.rows or row in self.joining:
             raise ValueError("the row is in the batch already")
 
@@ -393,7 +419,10 @@ class BatchRun:
         """Prefill the next ``n`` prompt tokens of ``row`` on its own cache; at the prompt's end, pick its first
         token and add it to the batch (``True``)."""
         if row.prefill_cache is None:
-            row.prefill_cache = rollback_cache(self.model) if self.single else batch_cache(self.model)
+            if self.static_slots is not None:
+                row.prefill_cache = static_cache(self.model, self.static_slots)
+            else:
+                row.prefill_cache = rollback_cache(self.model) if self.single else batch_cache(self.model)
         start = row.prefilled
         logits = self._forward(row.prompt[:, start: start + n], 1, row.prefill_cache)  # [1, 1, vocab]
         row.prefilled += n
@@ -495,8 +524,9 @@ class BatchRun:
         def limits(rows):
             return [row.max_new_tokens - row.generated - 1 for row in rows]
 
+        widths = STATIC_WIDTHS if self.static_slots is not None else None  # priced as the padded pass
         try:
-            return self.drafter.propose([row.session for row in self.rows], limits(self.rows)), []
+            return self.drafter.propose([row.session for row in self.rows], limits(self.rows), widths=widths), []
         except Exception:
             failed = []
             for row, limit in zip(self.rows, limits(self.rows)):
@@ -510,7 +540,7 @@ class BatchRun:
         self._drop(failed)
         if not self.rows:
             return [], failed
-        return self.drafter.propose([row.session for row in self.rows], limits(self.rows)), failed
+        return self.drafter.propose([row.session for row in self.rows], limits(self.rows), widths=widths), failed
 
     def _pass(self) -> list[Row]:
         t0 = time.perf_counter()
@@ -520,6 +550,8 @@ class BatchRun:
         if not rows:
             return failed
         span = max(len(draft) for draft in drafts) + 1  # tokens fed per row
+        if self.static_slots is not None:
+            span = static_width(span, self.static_slots - int(self.counts[0]))
         # Built on the host ([last token, draft, filler] per row, the filler masked out), then one copy.
         if self._feed.numel() < len(rows) * span:
             self._feed = host_buffer(len(rows) * span * 2, self.device)
@@ -601,7 +633,14 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
     its padding (:meth:`BatchRun.join`), and then runs solo, its passes as a single-sequence generation's (no mask,
     no positions; on a sliding-window model, the cache that rolls back)."""
     batch, width = input_ids.shape
-    run = BatchRun(job.model, job.drafter)
+    static_slots = None
+    if job.static:
+        if batch > 1:
+            raise NotImplementedError("cache_implementation='static' runs one row at a time in lookupdec.generate; "
+                                      "pass the rows one at a time, or use the dynamic cache for a batch")
+        # Whole blocks of slots, so that prompts of similar lengths give a compiled forward the same shapes.
+        static_slots = -(-(int(lengths[0]) + job.max_new_tokens) // STATIC_BLOCK) * STATIC_BLOCK
+    run = BatchRun(job.model, job.drafter, static_slots=static_slots)
     if batch > 1:
         batch_cache(job.model)  # refuses sliding-window models before anything runs
     on_commit = None

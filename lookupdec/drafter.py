@@ -47,7 +47,16 @@ import numpy as np
 
 from .cache import RollingCache
 from .index import NgramIndex
-from .policy import Acceptance, Offer, PassCost, best_batch_length, best_draft_length, bucket
+from .policy import (
+    Acceptance,
+    Offer,
+    PassCost,
+    best_batch_length,
+    best_draft_length,
+    bucket,
+    padded_costs,
+    padded_width,
+)
 
 EMPTY = np.zeros(0, dtype=np.int32)
 SEPARATOR = -1  # between reference texts in the index buffer; never a real token, so no n-gram crosses it
@@ -230,19 +239,22 @@ class Drafter:
 
     # ------------------------------------------------------------------ the propose/commit driver
 
-    def propose(self, sessions: Sequence[Session], limits: Sequence[int], *, must_draft: bool = False
-                ) -> list[np.ndarray]:
+    def propose(self, sessions: Sequence[Session], limits: Sequence[int], *, must_draft: bool = False,
+                widths: Sequence[int] | None = None) -> list[np.ndarray]:
         """The drafts (int32, possibly empty) of the rows of one target pass: row ``i`` drafts at most
         ``limits[i]`` tokens from its session. One length serves every row (:meth:`length`); a row whose
         candidate is shorter drafts all of it. ``must_draft``: the caller cannot verify an empty draft
         (transformers' sampling rule), so when there is a candidate the best length of at least one token is
-        drafted even where a plain step would pay better; empty still means no candidate."""
+        drafted even where a plain step would pay better; empty still means no candidate. ``widths``: the caller
+        pads each pass (draft + 1 tokens) to one of these widths (a static cache), so drafts are priced as the
+        padded pass (:func:`~lookupdec.policy.padded_costs`)."""
         offers = [session.offer(limit) for session, limit in zip(sessions, limits, strict=True)]
         fixed = any(getattr(session, "reproducible", False) for session in sessions)
-        length = self.length(offers, must_draft=must_draft, fixed=fixed)
+        length = self.length(offers, must_draft=must_draft, fixed=fixed, widths=widths)
         return [session.take(length) for session in sessions]
 
-    def length(self, offers: Sequence[Offer], *, must_draft: bool = False, fixed: bool = False) -> int:
+    def length(self, offers: Sequence[Offer], *, must_draft: bool = False, fixed: bool = False,
+               widths: Sequence[int] | None = None) -> int:
         """How many tokens of the ``offers`` (one per row of a pass) :meth:`propose` drafts: the longest offer
         without the adaptive length; else the length with the most expected tokens per unit of cost, priced with
         the single-row cost (one row) or the batch's (several), and 0 where the guard finds none that pays."""
@@ -252,7 +264,10 @@ class Drafter:
             return longest
         margin = cfg.margin(must_draft)
         cost = self.batch_cost(len(offers))
-        costs = cost.costs(longest, refined=not fixed)
+        if widths:
+            costs = padded_costs(cost.costs(padded_width(longest + 1, widths) - 1, refined=not fixed), widths)
+        else:
+            costs = cost.costs(longest, refined=not fixed)
         if len(offers) == 1:
             length = best_draft_length(offers[0].first, offers[0].then, costs, margin=margin)
         else:

@@ -95,6 +95,7 @@ def generate(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
+    static = _static_cache(model, generation_config, generation_kwargs.pop("cache_implementation", None))
     mask, lengths = left_padding(input_ids, attention_mask)
     if drafter is None:
         drafter = Drafter()
@@ -104,7 +105,7 @@ def generate(
     job = Job(model, max_new_tokens, drafter,
               dict(generation_kwargs, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                    repetition_penalty=repetition_penalty),
-              generation_config, logits_processor, stopping_criteria, generator, tokenizer)
+              generation_config, logits_processor, stopping_criteria, generator, tokenizer, static)
     batch = input_ids.shape[0]
     if streamer is not None and batch != 1:
         raise ValueError("a streamer needs a batch of one (transformers' streamers do too)")
@@ -126,6 +127,23 @@ def generate(
     for row in out.stats.rows:
         row.total_seconds = out.stats.total_seconds
     return out
+
+
+def _static_cache(model, generation_config, given) -> bool:
+    """Whether to run on a static cache: ``cache_implementation`` as given, else as ``generation_config`` or the
+    model's generation config sets it. ``"static"`` runs on a preallocated cache (what a compiled forward needs),
+    ``"dynamic"`` or none on lookupdec's own growing cache. Any other implementation is refused when given; from a
+    generation config (Gemma 3's ship ``"hybrid"``) it runs on the dynamic cache, as it always did."""
+    if given is not None:
+        if given not in ("static", "dynamic"):
+            raise NotImplementedError(f"cache_implementation={given!r} is not supported by lookupdec.generate; "
+                                      f"use 'static' or 'dynamic'")
+        return given == "static"
+    for config in (generation_config, getattr(model, "generation_config", None)):
+        value = getattr(config, "cache_implementation", None)
+        if value is not None:
+            return value == "static"
+    return False
 
 
 # model.generate arguments that change what it returns (scores, logits, a dict): lookupdec returns LookupOutput.
@@ -162,6 +180,7 @@ class Job:
     stopping_criteria: object
     generator: torch.Generator | None
     tokenizer: object
+    static: bool = False  # cache_implementation="static": a preallocated cache, passes in fixed widths (one row)
     calibration_seconds: float = 0.0
 
     def calibrate(self, rows: int = 1) -> None:

@@ -326,6 +326,24 @@ def cost_curve(costs) -> np.ndarray:
     return costs
 
 
+def padded_width(span: int, widths: Sequence[int]) -> int:
+    """The width of a pass of ``span`` tokens whose caller pads passes to ``widths`` (ascending): the first that
+    holds ``span``, or ``span`` itself beyond the largest."""
+    for width in widths:
+        if width >= span:
+            return width
+    return span
+
+
+def padded_costs(costs: np.ndarray, widths: Sequence[int]) -> np.ndarray:
+    """``costs`` [d = 0 .. top] priced as padded passes: a draft of ``d`` tokens costs the pass of
+    ``padded_width(d + 1) - 1`` drafted positions, so lengths that share a width cost the same, and the policy,
+    which prefers more expected tokens at equal cost, fills the width. ``costs`` must reach the padded width of
+    its own last length; the result stops at the longest length that fits in it."""
+    lengths = [d for d in range(costs.size) if padded_width(d + 1, widths) - 1 < costs.size]
+    return costs[[padded_width(d + 1, widths) - 1 for d in lengths]]
+
+
 def best_draft_length(first: float, then: float, costs: Sequence[float], *, margin: float = 0.02) -> int:
     """The draft length with the most expected tokens per unit of time, or 0 if none beats a plain step by
     ``margin``. ``costs[d]`` is the relative time of a pass with ``d`` drafted tokens (``costs[0] == 1``; its

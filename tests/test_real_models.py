@@ -55,6 +55,19 @@ def test_embedded_model_matches_greedy_on_real_edits(smollm2, kind):
         assert ours.stats.tokens_per_pass > 2.0, ours.stats
 
 
+def test_embedded_model_on_a_static_cache_matches_greedy(smollm2):
+    # cache_implementation="static" (issue 26): one preallocated cache, passes padded to fixed widths.
+    model, tokenizer = smollm2
+    ids = _chat(tokenizer, _edit_prompts()["yaml"])
+    mask = torch.ones_like(ids)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=96)
+    assert model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=96,
+                          cache_implementation="static").tolist() == ref.tolist()
+    ours = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=96, cache_implementation="static")
+    assert ours.sequences.tolist() == ref.tolist()
+    assert ours.stats.tokens_per_pass > 2.0, ours.stats
+
+
 def test_gemma3_matches_greedy(gemma3):
     # Longer than Gemma 3's 512-token sliding window, so rejected drafts must be cropped from sliding layers too.
     model, tokenizer = gemma3

@@ -1,0 +1,185 @@
+"""``cache_implementation="static"``: one row on a preallocated cache, passes padded to fixed widths (issue 26).
+
+The rule pinned here: on the static cache, greedy output is plain greedy ``model.generate``'s, token for token, on
+the eager path and on a compiled forward, while every pass has a width from ``STATIC_WIDTHS`` (or, near the end of
+a full cache, the exact draft + 1) and runs on transformers' ``StaticCache``.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import StaticCache
+
+import lookupdec
+from lookupdec import LookupDrafter
+from lookupdec.batch import STATIC_WIDTHS, static_width
+
+
+def _prompts(model, count=3, seed=0):
+    """A random head, the model's greedy continuation, the head again: the second continuation is mostly a copy."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        head = torch.randint(3, model.config.vocab_size, (1, 10 + 3 * i), generator=gen)
+        cont = model.generate(head, attention_mask=torch.ones_like(head), max_new_tokens=24, do_sample=False)
+        prompt = torch.cat([head, cont[:, head.shape[1]:], head], dim=1)
+        prompt[prompt == model.generation_config.pad_token_id] = 3
+        out.append(prompt)
+    return out
+
+
+def _passes(model, run):
+    """``(out, passes)``: ``run()``'s result and, per target pass, ``(tokens fed, cache object)``. The model's
+    pass cost is measured first, so that the calibration's own passes are not among them."""
+    lookupdec.generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=1)
+    passes = []
+
+    def record(_, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        passes.append((kwargs["input_ids"].shape[1], cache))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        out = run()
+    finally:
+        hook.remove()
+    return out, passes
+
+
+def _plain(model, prompt, **kwargs):
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, **kwargs)
+
+
+def test_static_width():
+    assert static_width(1, 100) == 1
+    assert static_width(3, 100) == 4  # padded up to the next width
+    assert static_width(8, 100) == 8  # a width already in the set stays
+    assert static_width(9, 100) == 16
+    assert static_width(9, 12) == 9  # 16 would not fit: the exact width, never past the cache's end
+    assert static_width(300, 1000) == 300  # beyond the largest width: exact
+    assert STATIC_WIDTHS == tuple(sorted(STATIC_WIDTHS))
+
+
+def test_static_matches_greedy(tiny_model):
+    drafter = LookupDrafter()
+    accepted = 0
+    for prompt in _prompts(tiny_model):
+        for budget in (1, 2, 7, 60):
+            ref = _plain(tiny_model, prompt, max_new_tokens=budget)
+            assert _plain(tiny_model, prompt, max_new_tokens=budget, cache_implementation="static").tolist() \
+                == ref.tolist()  # plain decoding itself agrees on both caches
+            out, passes = _passes(tiny_model, lambda: lookupdec.generate(
+                tiny_model, prompt, max_new_tokens=budget, drafter=drafter, cache_implementation="static"))
+            assert out.sequences.tolist() == ref.tolist(), (budget, prompt.tolist())
+            assert all(isinstance(cache, StaticCache) for _, cache in passes)
+            assert len({id(cache) for _, cache in passes}) == 1  # one cache, written in place
+            # Budgets here stay far from the end of the cache (whole blocks of 256 slots): every pass is padded.
+            assert all(width in STATIC_WIDTHS for width, _ in passes[1:]), passes
+            accepted += out.stats.accepted_tokens
+    assert accepted > 0  # rejected drafts were rolled back, and accepted ones kept
+
+
+def test_static_padding_is_not_a_draft(tiny_model):
+    # Priced so that a draft of a few tokens pays, the passes fed more tokens than they drafted: the filler is
+    # computed and thrown away, and the stats count only drafted tokens.
+    prompt = _prompts(tiny_model, count=1, seed=1)[0]
+    ref = _plain(tiny_model, prompt, max_new_tokens=40)
+    out, passes = _passes(tiny_model, lambda: lookupdec.generate(
+        tiny_model, prompt, max_new_tokens=40, drafter=LookupDrafter(use_cache=False), cache_implementation="static"))
+    assert out.sequences.tolist() == ref.tolist()
+    fed = sum(width - 1 for width, _ in passes[1:])
+    assert out.stats.drafted_tokens <= fed
+    assert len(passes) == out.stats.target_passes
+
+
+def test_static_with_processors_matches_plain(tiny_model):
+    # A repetition penalty runs the logits processors on each verified position of the padded pass.
+    prompt = _prompts(tiny_model, count=1, seed=3)[0]
+    ref = _plain(tiny_model, prompt, max_new_tokens=30, repetition_penalty=1.3)
+    out = lookupdec.generate(tiny_model, prompt, max_new_tokens=30, repetition_penalty=1.3,
+                             cache_implementation="static")
+    assert out.sequences.tolist() == ref.tolist()
+
+
+def test_static_from_the_generation_config(tiny_model):
+    prompt = _prompts(tiny_model, count=1)[0]
+    config = copy.deepcopy(tiny_model.generation_config)
+    config.cache_implementation = "static"
+    _, passes = _passes(tiny_model, lambda: lookupdec.generate(tiny_model, prompt, max_new_tokens=8,
+                                                               generation_config=config))
+    assert isinstance(passes[0][1], StaticCache)
+    _, passes = _passes(tiny_model, lambda: lookupdec.generate(tiny_model, prompt, max_new_tokens=8,
+                                                               generation_config=config,
+                                                               cache_implementation="dynamic"))
+    assert not isinstance(passes[0][1], StaticCache)  # the argument wins over the config
+    _, passes = _passes(tiny_model, lambda: lookupdec.generate(tiny_model, prompt, max_new_tokens=8))
+    assert not isinstance(passes[0][1], StaticCache)  # the default stays the dynamic cache
+
+
+def test_static_refusals(tiny_model):
+    ids = torch.randint(3, 64, (2, 10))
+    with pytest.raises(NotImplementedError, match="one row at a time"):
+        lookupdec.generate(tiny_model, ids, max_new_tokens=4, cache_implementation="static")
+    with pytest.raises(NotImplementedError, match="'offloaded' is not supported"):
+        lookupdec.generate(tiny_model, ids[:1], max_new_tokens=4, cache_implementation="offloaded")
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    model = MistralForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        lookupdec.generate(model, ids[:1], max_new_tokens=4, cache_implementation="static")
+
+
+def test_compiled_static_matches_compiled_plain(tiny_factory):
+    # The fast path as users run it: the forward compiled (inductor), plain decoding on transformers' static cache
+    # against lookupdec on its own; a fresh model, so the compiled forward is this test's alone.
+    torch._dynamo.reset()
+    model = tiny_factory("llama")
+    prompts = _prompts(model, count=2)
+    eager = [_plain(model, prompt, max_new_tokens=40) for prompt in prompts]
+    model.forward = torch.compile(model.forward)
+    try:
+        for prompt, ref in zip(prompts, eager):
+            plain = _plain(model, prompt, max_new_tokens=40, cache_implementation="static")
+            out = lookupdec.generate(model, prompt, max_new_tokens=40, cache_implementation="static")
+            assert out.sequences.tolist() == plain.tolist()
+            assert out.stats.accepted_tokens > 0
+            assert plain.tolist() == ref.tolist()  # compiled kernels round as eager ones do, on this tiny model
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+
+
+def test_drafts_are_priced_as_the_padded_pass():
+    from lookupdec.policy import best_draft_length, padded_costs
+
+    costs = np.array([1.0, 1.5, 1.8, 2.0, 2.4, 2.5, 2.6, 2.7, 2.8])  # d = 0 .. 8
+    # d drafted tokens run in a pass of padded_width(d + 1) tokens: d=1 -> 2, d=2..3 -> 4, d=4..7 -> 8; d=8 would
+    # need the costs up to 15 drafted positions, so the padded costs stop at 7.
+    assert padded_costs(costs, STATIC_WIDTHS).tolist() == [1.0, 1.5, 2.0, 2.0, 2.7, 2.7, 2.7, 2.7]
+    # At equal cost the longer draft brings more expected tokens: the policy fills the width it pays for.
+    assert best_draft_length(0.9, 0.9, padded_costs(costs, STATIC_WIDTHS)) == 7
+    # A draft of 2 costs the pass of 4 it runs in: cheap as 2 tokens, it pays; priced as 4, one token pays better.
+    steep = np.array([1.0, 1.5, 1.6, 2.4])
+    assert best_draft_length(0.9, 0.5, steep) == 2
+    assert best_draft_length(0.9, 0.5, padded_costs(steep, STATIC_WIDTHS)) == 1
+
+
+def test_static_runs_price_drafts_by_width(tiny_model):
+    seen = []
+
+    class Recording(LookupDrafter):
+        def propose(self, sessions, limits, **kwargs):
+            seen.append(kwargs.get("widths"))
+            return super().propose(sessions, limits, **kwargs)
+
+    prompt = _prompts(tiny_model, count=1)[0]
+    lookupdec.generate(tiny_model, prompt, max_new_tokens=12, drafter=Recording(), cache_implementation="static")
+    assert seen and all(widths == STATIC_WIDTHS for widths in seen)
+    seen.clear()
+    lookupdec.generate(tiny_model, prompt, max_new_tokens=12, drafter=Recording())
+    assert seen and all(widths is None for widths in seen)  # the dynamic cache runs any width
