@@ -416,8 +416,8 @@ def _cut(tokens: list, eos: set) -> list:
 
 def _one(system: str, model, ids: list, new_tokens: int, counter, compiled=None) -> dict:
     """One generation of ``system`` on one prompt: seconds, new tokens (to EOS), target passes. ``compiled``: a
-    ``benchmarks.run.CompiledForward``, swapped in for the ``*_compiled`` systems (plain greedy there also on
-    transformers' static cache, its documented fast path)."""
+    ``benchmarks.run.CompiledForward``, swapped in for the ``*_compiled`` systems, which also run on a static cache
+    (transformers' documented fast path; lookupdec's ``cache_implementation="static"``)."""
     import contextlib
 
     import lookupdec
@@ -430,14 +430,14 @@ def _one(system: str, model, ids: list, new_tokens: int, counter, compiled=None)
     counter.count = 0
     _sync(device)
     start = time.perf_counter()
+    static = {"cache_implementation": "static"} if base != system else {}
     with torch.inference_mode(), (compiled if base != system else contextlib.nullcontext()):
         if base == "greedy":
-            static = {"cache_implementation": "static"} if base != system else {}
             out = model.generate(x, attention_mask=torch.ones_like(x), **static, **kw)
         elif base == "pld":
             out = model.generate(x, attention_mask=torch.ones_like(x), prompt_lookup_num_tokens=10, **kw)
         else:
-            out = lookupdec.generate(model, x, max_new_tokens=new_tokens, drafter=LookupDrafter()).sequences
+            out = lookupdec.generate(model, x, max_new_tokens=new_tokens, drafter=LookupDrafter(), **static).sequences
         _sync(device)
     seconds = time.perf_counter() - start
     tokens = _cut(out[0, len(ids):].tolist(), _eos_ids(model))
