@@ -11,7 +11,9 @@ the first token is computed identically.
 
 Model-agnostic: it needs a transformers causal LM whose cache can be cropped (``DynamicCache``), and nothing
 about its architecture. Sliding-window layers keep their past while a draft is pending (transformers'
-``activate_past_recording``), so cropping restores them too.
+``activate_past_recording``), so cropping restores them too. On a ``StaticCache`` (``cache_implementation=
+"static"``) a pass writes in place and cropping moves the write position back: the rejected slots lie after every
+later query's position, so they are masked until the next pass overwrites them.
 
 This module checks and resolves the arguments (:class:`Job`); the loop itself is ``batch.py``'s, for one row as
 for many (a single row is a batch of one that runs solo). Drafting goes through the drafter's propose/commit
@@ -79,6 +81,12 @@ def generate(
     per pass, the prefill first (empty draft); ``kept`` is how many of the pass's ``accepted + 1`` tokens were
     committed (fewer only where generation stopped), ``seconds`` the pass's forward time.
     Unset arguments fall back to ``generation_config``, then to ``model.generation_config``, as in transformers.
+
+    ``cache_implementation="static"`` (given here, or set in either generation config) runs on a preallocated
+    cache, as ``model.generate`` does on transformers' fast path, and pads each pass to a width of 1, 2, 4, ...
+    tokens, pricing drafts as the padded pass: a forward compiled with ``torch.compile`` then sees a few fixed
+    shapes. One row at a time, on models without sliding-window layers; greedy output is plain decoding's on the
+    same path (see ``docs/design.md``).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
