@@ -212,7 +212,8 @@ def static_cache(model, slots: int) -> StaticCache:
     cache = StaticCache(config=model.config, max_cache_len=slots)
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
         raise NotImplementedError("cache_implementation='static' needs a model without sliding-window attention "
-                                  "(a static window cannot roll back a rejected draft); use the dynamic cache")
+                                  "(a static window cannot roll back a rejected draft); pass "
+                                  "cache_implementation='dynamic'")
     return cache
 
 

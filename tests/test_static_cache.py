@@ -183,3 +183,17 @@ def test_static_runs_price_drafts_by_width(tiny_model):
     seen.clear()
     lookupdec.generate(tiny_model, prompt, max_new_tokens=12, drafter=Recording())
     assert seen and all(widths is None for widths in seen)  # the dynamic cache runs any width
+
+
+def test_static_sampling_draws_as_the_dynamic_cache(peaky):
+    # Sampling verifies each padded pass's real positions with the exact rule; with drafts fixed (no adaptive
+    # length, no cache) both caches see the same drafts, so one seed gives the same tokens on both.
+    model, prompt = peaky
+    outs = []
+    for cache in ("dynamic", "static"):
+        drafter = LookupDrafter(adaptive=False, use_cache=False, max_draft=6)
+        outs.append(lookupdec.generate(model, prompt, max_new_tokens=40, do_sample=True, temperature=0.8,
+                                       drafter=drafter, generator=torch.Generator().manual_seed(7),
+                                       cache_implementation=cache))
+    assert outs[0].sequences.tolist() == outs[1].sequences.tolist()
+    assert 0 < outs[1].stats.accepted_tokens < outs[1].stats.drafted_tokens  # drafts kept and drafts refused
