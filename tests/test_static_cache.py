@@ -86,12 +86,24 @@ def test_static_padding_is_not_a_draft(tiny_model):
     # computed and thrown away, and the stats count only drafted tokens.
     prompt = _prompts(tiny_model, count=1, seed=1)[0]
     ref = _plain(tiny_model, prompt, max_new_tokens=40)
+    class Drafts:
+        def __init__(self):
+            self.lengths = []
+
+        def start(self, prompt):
+            pass
+
+        def step(self, draft, accepted, token, kept, seconds):
+            self.lengths.append(len(draft))
+
+    drafts = Drafts()
     out, passes = _passes(tiny_model, lambda: lookupdec.generate(
-        tiny_model, prompt, max_new_tokens=40, drafter=LookupDrafter(use_cache=False), cache_implementation="static"))
+        tiny_model, prompt, max_new_tokens=40, drafter=LookupDrafter(use_cache=False), cache_implementation="static",
+        trace=drafts))
     assert out.sequences.tolist() == ref.tolist()
+    assert len(passes) == out.stats.target_passes == len(drafts.lengths)
     fed = sum(width - 1 for width, _ in passes[1:])
-    assert out.stats.drafted_tokens <= fed
-    assert len(passes) == out.stats.target_passes
+    assert out.stats.drafted_tokens == sum(drafts.lengths) < fed  # filler was fed, and is not counted as drafted
 
 
 def test_static_with_processors_matches_plain(tiny_model):
