@@ -103,7 +103,7 @@ def generate(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
-    static = _static_cache(model, generation_config, generation_kwargs.pop("cache_implementation", None))
+    static = _uses_static_cache(model, generation_config, generation_kwargs.pop("cache_implementation", None))
     mask, lengths = left_padding(input_ids, attention_mask)
     if drafter is None:
         drafter = Drafter()
@@ -137,7 +137,7 @@ def generate(
     return out
 
 
-def _static_cache(model, generation_config, given) -> bool:
+def _uses_static_cache(model, generation_config, given) -> bool:
     """Whether to run on a static cache: ``cache_implementation`` as given, else as ``generation_config`` or the
     model's generation config sets it. ``"static"`` runs on a preallocated cache (what a compiled forward needs),
     ``"dynamic"`` or none on lookupdec's own growing cache. Any other implementation is refused when given; from a

@@ -15,19 +15,7 @@ from transformers import StaticCache
 import lookupdec
 from lookupdec import LookupDrafter
 from lookupdec.batch import STATIC_WIDTHS, static_width
-
-
-def _prompts(model, count=3, seed=0):
-    """A random head, the model's greedy continuation, the head again: the second continuation is mostly a copy."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(count):
-        head = torch.randint(3, model.config.vocab_size, (1, 10 + 3 * i), generator=gen)
-        cont = model.generate(head, attention_mask=torch.ones_like(head), max_new_tokens=24, do_sample=False)
-        prompt = torch.cat([head, cont[:, head.shape[1]:], head], dim=1)
-        prompt[prompt == model.generation_config.pad_token_id] = 3
-        out.append(prompt)
-    return out
+from test_exactness import _plain, _prompts
 
 
 def _passes(model, run):
@@ -46,10 +34,6 @@ def _passes(model, run):
     finally:
         hook.remove()
     return out, passes
-
-
-def _plain(model, prompt, **kwargs):
-    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, **kwargs)
 
 
 def test_static_width():
