@@ -204,10 +204,11 @@ def batch_cache(model, *, blocks: bool = True) -> DynamicCache:
 
 
 def static_cache(model, slots: int) -> StaticCache:
-    """A preallocated cache of ``slots`` positions for one row (transformers' ``StaticCache``, as
+    """A preallocated cache of ``slots`` positions per row (transformers' ``StaticCache``, as
     ``cache_implementation="static"`` gives ``model.generate``): every pass attends over the same number of slots,
     so a compiled forward keeps its shapes, and a pass writes in place. ``crop`` only moves the write position back
-    (the rejected slots are overwritten by the next pass, and no query sees them: they lie after it). Raises
+    (the rejected slots are overwritten by the next pass, and no query sees them: they lie after it). Every row
+    writes at the same slots (one write position), as in a batch on a growing cache. Raises
     ``NotImplementedError`` for a model with sliding-window layers (a static window cannot roll back)."""
     cache = StaticCache(config=model.config, max_cache_len=slots)
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
@@ -366,18 +367,43 @@ def _rows_in_room(parts: list[torch.Tensor], width: int, capacity: int) -> torch
     return room
 
 
-def gather_cache_slots(cache: DynamicCache, order: torch.Tensor) -> None:
+def gather_cache_slots(cache: DynamicCache | StaticCache, order: torch.Tensor) -> None:
     """Keep, for each row ``i``, the cache slots ``order[i]`` [rows, kept] in that order, in every layer (into a
-    fresh room with spare blocks for a :class:`BlockLayer`). All or nothing, as :func:`append_cache_rows`."""
+    fresh room with spare blocks for a :class:`BlockLayer`). All or nothing, as :func:`append_cache_rows`.
+
+    A ``StaticCache`` keeps its tensors (a compiled forward, and a CUDA graph, hold their addresses): the kept
+    slots are gathered aside, written back to its first ``kept`` slots, and its write position set after them."""
     kept = order.shape[1]
+    static = isinstance(cache, StaticCache)
     gathered = []
     for layer in cache.layers:
         rooms = []
         for states in (layer.keys, layer.values):  # [rows, heads, slots, dim]
             index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
-            room = states.new_empty((states.shape[0], states.shape[1], _capacity(layer, kept), states.shape[3]))
+            capacity = kept if static else _capacity(layer, kept)
+            room = states.new_empty((states.shape[0], states.shape[1], capacity, states.shape[3]))
             torch.gather(states, 2, index, out=room[:, :, :kept])
             rooms.append(room)
         gathered.append(rooms)
     for layer, (keys, values) in zip(cache.layers, gathered):
-        _set_rooms(layer, keys, values, kept)
+        if static:
+            layer.keys[:, :, :kept] = keys
+            layer.values[:, :, :kept] = values
+            layer.cumulative_length.fill_(kept)
+        else:
+            _set_rooms(layer, keys, values, kept)
+
+
+def select_cache_rows(cache: DynamicCache | StaticCache, indices: torch.Tensor) -> None:
+    """Keep the rows ``indices`` of ``cache``, in that order, in every layer. transformers' ``StaticLayer`` has no
+    ``batch_select_indices``: its tensors are replaced by the selected rows (new tensors, marked static again for
+    a compiled forward, whose graph for the new row count is traced once), its write position kept."""
+    if not isinstance(cache, StaticCache):
+        cache.batch_select_indices(indices)
+        return
+    selected = [(layer.keys[indices], layer.values[indices]) for layer in cache.layers if layer.is_initialized]
+    for layer, (keys, values) in zip((layer for layer in cache.layers if layer.is_initialized), selected):
+        layer.keys, layer.values = keys, values
+        layer.batch_size = keys.shape[0]
+        torch._dynamo.mark_static_address(keys)
+        torch._dynamo.mark_static_address(values)

@@ -42,6 +42,12 @@ settings (greedy, or sampling with its own seed):
 - **Sliding-window models** (a window counts cache slots, and holes would shrink it) run one row at a time
   (:attr:`BatchRun.single`), on a cache that can roll back (:func:`~lookupdec._transformers.rollback_cache`),
   as a single-row generation runs them; :func:`generate_batch` runs them only as a batch of one.
+
+On a **static cache** (``cache_implementation="static"``: transformers' ``StaticCache``, preallocated, written in
+place at one write position for all rows) the same bookkeeping holds: the holes stay where they are (they cost no
+memory there) and are squeezed out in place only when the next pass might not fit; passes and masks have fixed
+shapes (:data:`STATIC_WIDTHS`, all the cache's slots), for a compiled forward. Its rows start together: nothing joins
+a running one.
 """
 
 
@@ -60,6 +66,7 @@ from ._transformers import (
     forward_params,
     gather_cache_slots,
     rollback_cache,
+    select_cache_rows,
     static_cache,
     target_forward,
 )
@@ -260,12 +267,14 @@ class BatchRun:
     :meth:`step` commits the last pass's tokens, lets finished rows go, and runs the next pass for the rest.
 
     :attr:`single`: the run holds one row at a time and refuses a second: the model has sliding-window layers (its
-    cache is one that can roll back), or ``static_slots`` was given.
+    cache is one that can roll back).
 
-    ``static_slots``: the row runs on a preallocated cache of that many slots
-    (:func:`~lookupdec._transformers.static_cache`, ``cache_implementation="static"``), and each pass is padded to a
-    width of :data:`STATIC_WIDTHS` (the filler after the draft is computed and thrown away), so that a compiled
-    forward sees a few shapes, always the same ones, instead of a new one at every pass.
+    ``static_slots``: the rows run on a preallocated cache of that many slots per row
+    (:func:`~lookupdec._transformers.static_cache`, ``cache_implementation="static"``), each pass is padded to a
+    width of :data:`STATIC_WIDTHS` (the filler after the draft is computed and thrown away) and its mask to the
+    cache's slots, so that a compiled forward sees a few shapes, always the same ones, instead of a new one at every
+    pass. Such a run takes its rows at the start (:meth:`prefill`, or one :meth:`join` into the empty run) and
+    refuses later joins. Its holes are squeezed out only when the next pass might not fit (:meth:`step`), in place.
     """
 
     def __init__(self, model, drafter, *, static_slots: int | None = None):
@@ -277,7 +286,7 @@ class BatchRun:
         self.static_slots = static_slots
         if static_slots is not None:
             static_cache(model, 1)  # refuses sliding-window models before anything runs
-            self.single = True
+            self.single = False
         else:
             try:
                 batch_cache(model)
@@ -312,11 +321,13 @@ class BatchRun:
             raise RuntimeError("prefill starts an empty batch; use join() to add to a running one")
         if self.single:
             raise NotImplementedError("a sliding-window model runs one row at a time; use join()")
-        cache = batch_cache(self.model)
+        static = self.static_slots is not None
+        cache = static_cache(self.model, self.static_slots) if static else batch_cache(self.model)
         mask = mask.to(self.device)
         positions = mask.long().cumsum(-1) - 1
         positions.masked_fill_(~mask, 1)
-        logits = self._forward(input_ids.to(self.device), 1, cache, mask, positions)  # [batch, 1, vocab]
+        ids = input_ids.to(self.device)
+        logits = self._forward(ids, 1, cache, self._pass_mask(mask), positions)  # [batch, 1, vocab]
         for row in rows:
             row.prefilled, row.prefill_seconds = row.prompt_len, self._seconds
         self._first_tokens(rows, logits)
@@ -346,7 +357,9 @@ class BatchRun:
 
     def _check_room(self, row: Row) -> None:
         if self.single and (self.rows or self.joining):
-            raise RuntimeError("this run holds one row at a time (a sliding-window model, or a static cache)")
+            raise RuntimeError("this run holds one row at a time (a sliding-window model)")
+        if self.static_slots is not None and (self.rows or self.joining):
+            raise RuntimeError("a run on a static cache takes its rows at the start; it cannot join a running one")
         if row in self.rows or row in self.joining:
             raise ValueError("the row is in the batch already")
 
@@ -364,7 +377,7 @@ class BatchRun:
     def lone_budget(self) -> int | None:
         """Prompt tokens a round of prefill may spend while no row decodes (:data:`LONE_CHUNK_S`); None: all of
         them (also for a single-row run, which has nothing else to run meanwhile)."""
-        if self.single or LONE_CHUNK_S is None:
+        if self.single or self.static_slots is not None or LONE_CHUNK_S is None:
             return None
         if self.prefill_rate is None:
             return _LONE_FIRST
@@ -492,7 +505,7 @@ class BatchRun:
         if not keep:
             self._reset()
             return
-        self.cache.batch_select_indices(torch.tensor(keep, device=self.device))
+        select_cache_rows(self.cache, torch.tensor(keep, device=self.device))
         self.kv_mask, self.counts = self.kv_mask[keep], self.counts[keep]
         self.rows = [self.rows[i] for i in keep]
 
@@ -514,15 +527,26 @@ class BatchRun:
         if not self.rows:
             return ended
         solo = len(self.rows) == 1
-        self.kv_mask = _compact(self.cache, self.kv_mask, int(self.counts.max()), force=solo and not self._solo)
+        longest, force = int(self.counts.max()), solo and not self._solo
+        if self.static_slots is None:
+            self.kv_mask = _compact(self.cache, self.kv_mask, longest, force=force)
+        elif force or self.static_slots - self.kv_mask.shape[1] < max(row.max_new_tokens - row.generated
+                                                                       for row in self.rows):
+            # A static cache's holes cost no memory: they are squeezed out only when the next pass might not fit
+            # (a row may draft up to its budget's end), and when one row is left, which then runs solo.
+            self.kv_mask = _compact(self.cache, self.kv_mask, longest, force=True)
         self._solo = solo
         return ended + self._pass()
 
     def _propose(self) -> tuple:
         """``(drafts, failed)``: the running rows' drafts, after dropping the rows whose session failed to draft
         (``failed``). When the joint proposal raises, each session is tried alone to find whose fault it was."""
+        # A pass feeds draft + 1 tokens: each row's budget bounds it, and on a static cache also the slots left.
+        room = self.static_slots - self.kv_mask.shape[1] if self.static_slots is not None else None
+
         def limits(rows):
-            return [row.max_new_tokens - row.generated - 1 for row in rows]
+            budgets = [row.max_new_tokens - row.generated for row in rows]
+            return [(n if room is None else min(n, room)) - 1 for n in budgets]
 
         widths = STATIC_WIDTHS if self.static_slots is not None else None  # priced as the padded pass
         try:
@@ -551,7 +575,7 @@ class BatchRun:
             return failed
         span = max(len(draft) for draft in drafts) + 1  # tokens fed per row
         if self.static_slots is not None:
-            span = static_width(span, self.static_slots - int(self.counts[0]))
+            span = static_width(span, self.static_slots - self.kv_mask.shape[1])
         # Built on the host ([last token, draft, filler] per row, the filler masked out), then one copy.
         if self._feed.numel() < len(rows) * span:
             self._feed = host_buffer(len(rows) * span * 2, self.device)
@@ -569,7 +593,8 @@ class BatchRun:
             logits = self._forward(feed, span, self.cache)
         else:
             positions = torch.from_numpy(self.counts[:, None] + np.arange(span)).to(self.device)
-            logits = self._forward(feed, span, self.cache, torch.cat([self.kv_mask, feed_mask], dim=1), positions)
+            mask = self._pass_mask(torch.cat([self.kv_mask, feed_mask], dim=1))
+            logits = self._forward(feed, span, self.cache, mask, positions)
         # A step beside a long prompt's prefill pays for a share of a chunk (busy_budget).
         self.prefill_credit = min(self.prefill_credit + BUSY_STEP_SHARE * self._seconds, BUSY_CHUNK_S) \
             if self.joining else 0.0
@@ -595,6 +620,13 @@ class BatchRun:
         self.counts = self.counts + accepted + 1
         self._drop(bad)
         return failed + bad
+
+    def _pass_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A pass's 2-D mask [rows, slots used]; on a static cache, extended over all its slots (the unused ones
+        masked out), so a compiled forward sees one shape."""
+        if self.static_slots is None:
+            return mask
+        return torch.cat([mask, mask.new_zeros((mask.shape[0], self.static_slots - mask.shape[1]))], dim=1)
 
     def _forward(self, ids, keep, cache, mask=None, positions=None) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -634,12 +666,10 @@ def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: to
     no positions; on a sliding-window model, the cache that rolls back)."""
     batch, width = input_ids.shape
     static_slots = None
-    if job.static:
-        if batch > 1:
-            raise NotImplementedError("cache_implementation='static' runs one row at a time in lookupdec.generate; "
-                                      "pass the rows one at a time, or use the dynamic cache for a batch")
+    if job.static:  # a single row is prefilled without its padding
         # Whole blocks of slots, so that prompts of similar lengths give a compiled forward the same shapes.
-        static_slots = -(-(int(lengths[0]) + job.max_new_tokens) // STATIC_BLOCK) * STATIC_BLOCK
+        static_slots = -(-((width if batch > 1 else int(lengths[0])) + job.max_new_tokens) // STATIC_BLOCK) \
+            * STATIC_BLOCK
     run = BatchRun(job.model, job.drafter, static_slots=static_slots)
     if batch > 1:
         batch_cache(job.model)  # refuses sliding-window models before anything runs

@@ -85,8 +85,8 @@ def generate(
     ``cache_implementation="static"`` (given here, or set in either generation config) runs on a preallocated
     cache, as ``model.generate`` does on transformers' fast path, and pads each pass to a width of 1, 2, 4, ...
     tokens, pricing drafts as the padded pass: a forward compiled with ``torch.compile`` then sees a few fixed
-    shapes. One row at a time, on models without sliding-window layers; greedy output is plain decoding's on the
-    same path (see ``docs/design.md``).
+    shapes. Rows of a batch share that cache, as plain batched decoding's do; models with sliding-window layers are
+    refused. Greedy output is plain decoding's on the same path (see ``docs/design.md``).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
@@ -188,7 +188,7 @@ class Job:
     stopping_criteria: object
     generator: torch.Generator | None
     tokenizer: object
-    static: bool = False  # cache_implementation="static": a preallocated cache, passes in fixed widths (one row)
+    static: bool = False  # cache_implementation="static": a preallocated cache, passes in fixed widths
     calibration_seconds: float = 0.0
 
     def calibrate(self, rows: int = 1) -> None:

@@ -1,8 +1,9 @@
-"""``cache_implementation="static"``: one row on a preallocated cache, passes padded to fixed widths (issue 26).
+"""``cache_implementation="static"``: rows on a preallocated cache, passes padded to fixed widths (issue 26).
 
 The rule pinned here: on the static cache, greedy output is plain greedy ``model.generate``'s, token for token, on
 the eager path and on a compiled forward, while every pass has a width from ``STATIC_WIDTHS`` (or, near the end of
-a full cache, the exact draft + 1) and runs on transformers' ``StaticCache``.
+a full cache, the exact draft + 1) and runs on transformers' ``StaticCache``. A batch keeps its holes in place and
+squeezes them out, in the same tensors, only when the next pass might not fit.
 """
 
 import copy
@@ -14,7 +15,9 @@ from transformers import StaticCache
 
 import lookupdec
 from lookupdec import LookupDrafter
-from lookupdec.batch import STATIC_WIDTHS, static_width
+from lookupdec import batch as batch_module
+from lookupdec.batch import STATIC_WIDTHS, BatchRun, static_width
+from test_batch import _left_pad, _row, _rows, _singles
 from test_exactness import _plain, _prompts
 
 
@@ -116,8 +119,6 @@ def test_static_from_the_generation_config(tiny_model):
 
 def test_static_refusals(tiny_model):
     ids = torch.randint(3, 64, (2, 10))
-    with pytest.raises(NotImplementedError, match="one row at a time"):
-        lookupdec.generate(tiny_model, ids, max_new_tokens=4, cache_implementation="static")
     with pytest.raises(NotImplementedError, match="'offloaded' is not supported"):
         lookupdec.generate(tiny_model, ids[:1], max_new_tokens=4, cache_implementation="offloaded")
 
@@ -128,6 +129,81 @@ def test_static_refusals(tiny_model):
     model = MistralForCausalLM(config).eval()
     with pytest.raises(NotImplementedError, match="sliding-window"):
         lookupdec.generate(model, ids[:1], max_new_tokens=4, cache_implementation="static")
+    # A run on a static cache takes its rows at the start: a second row cannot join it.
+    drafter = LookupDrafter()
+    run = BatchRun(tiny_model, drafter, static_slots=64)
+    first, second = (_row(tiny_model, drafter, ids[i: i + 1], 4) for i in range(2))
+    run.join(first)
+    with pytest.raises(RuntimeError, match="static cache"):
+        run.join(second)
+    assert run.rows == [first]
+
+
+@pytest.mark.parametrize("budget", [1, 3, 50])
+def test_static_batch_rows_match_single_sequence_greedy(tiny_model, budget):
+    prompts = _prompts(tiny_model, count=4, seed=5)  # lengths differ: left padding differs per row
+    pad = tiny_model.generation_config.pad_token_id
+    ids, mask = _left_pad(prompts, pad)
+    out, passes = _passes(tiny_model, lambda: lookupdec.generate(
+        tiny_model, ids, attention_mask=mask, max_new_tokens=budget, drafter=LookupDrafter(calibrate=False),
+        cache_implementation="static"))
+    assert _rows(out, ids.shape[1], pad) == _singles(tiny_model, prompts, budget)
+    assert all(isinstance(cache, StaticCache) for _, cache in passes)
+    assert len({id(cache) for _, cache in passes}) == 1  # one cache: rows leave it in place
+    assert all(width in STATIC_WIDTHS for width, _ in passes[1:]), passes
+    if budget == 50:
+        assert out.stats.drafted_tokens > 0
+        assert len({row.target_passes for row in out.stats.rows}) > 1  # rows left the batch at different steps
+
+
+def test_static_batch_matches_plain_static_batched_generate(tiny_model):
+    # The whole output, padding included, as plain batched decoding on transformers' static cache gives it; with a
+    # repetition penalty, which reads each row's own tokens.
+    prompts = _prompts(tiny_model, count=3, seed=7)
+    ids, mask = _left_pad(prompts, tiny_model.generation_config.pad_token_id)
+    for kwargs in ({}, {"repetition_penalty": 1.3}):
+        plain = tiny_model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                                    cache_implementation="static", **kwargs)
+        out = lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=40,
+                                 cache_implementation="static", **kwargs)
+        assert out.sequences.tolist() == plain.tolist(), kwargs
+
+
+def test_static_batch_squeezes_holes_out_in_place(tiny_model, monkeypatch):
+    # Slots for exactly the padded prompt and the budget: the holes rows leave behind soon leave no room for the
+    # next pass, so they are squeezed out, in the cache's own tensors, and drafts shrink to the room left.
+    monkeypatch.setattr(batch_module, "STATIC_BLOCK", 1)
+    gathered = []
+    real = batch_module.gather_cache_slots
+    monkeypatch.setattr(batch_module, "gather_cache_slots",
+                        lambda cache, order: (gathered.append(order.shape[1]), real(cache, order))[1])
+    tensors = set()
+    pad = tiny_model.generation_config.pad_token_id
+    for seed in (5, 13):
+        prompts = _prompts(tiny_model, count=4, seed=seed)
+        ids, mask = _left_pad(prompts, pad)
+        slots = ids.shape[1] + 50
+
+        def record(_, args, kwargs):
+            layer = kwargs.get("cache", kwargs.get("past_key_values")).layers[0]
+            if layer.is_initialized:
+                assert layer.keys.shape[2] == slots  # never grown, never shrunk
+                assert int(layer.cumulative_length) + kwargs["input_ids"].shape[1] <= slots
+                tensors.add(layer.keys.data_ptr())
+            if kwargs.get("attention_mask") is not None:
+                assert kwargs["attention_mask"].shape[1] == slots  # one mask shape for a compiled forward
+
+        hook = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            out = lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=50,
+                                     drafter=LookupDrafter(calibrate=False, adaptive=False),
+                                     cache_implementation="static")
+        finally:
+            hook.remove()
+        assert _rows(out, ids.shape[1], pad) == _singles(tiny_model, prompts, 50)
+    assert gathered  # the holes were squeezed out
+    assert len(tensors) <= 2 * 4  # per run: the prefill's tensors and one per row count after a row left
+
 
 
 def test_compiled_static_matches_compiled_plain(tiny_factory):
@@ -145,6 +221,12 @@ def test_compiled_static_matches_compiled_plain(tiny_factory):
             assert out.sequences.tolist() == plain.tolist()
             assert out.stats.accepted_tokens > 0
             assert plain.tolist() == ref.tolist()  # compiled kernels round as eager ones do, on this tiny model
+        # A batch: rows on one static cache, against plain batched decoding on the same compiled forward.
+        ids, mask = _left_pad(_prompts(model, count=3, seed=7), model.generation_config.pad_token_id)
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                               cache_implementation="static")
+        out = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=40, cache_implementation="static")
+        assert out.sequences.tolist() == plain.tolist()
     finally:
         del model.forward
         torch._dynamo.reset()
