@@ -8,10 +8,16 @@ every lookup run is compared with single-sequence greedy on that prompt alone, a
 
 Reported per batch size: tokens per second of both systems (real new tokens, padding excluded), their ratio,
 lookupdec's tokens per pass per row, the width of its passes, and whether every row was identical.
+
+``--batch-compiled`` runs both on transformers' fast path instead: the forward compiled (``run.CompiledForward``),
+plain batched ``generate`` and ``lookupdec.generate`` both with ``cache_implementation="static"``; each batch is
+run once untimed per system first, so that compiling is not timed. Rows are still compared with eager
+single-sequence greedy, and with the plain batched run on the same compiled forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -46,7 +52,9 @@ def _new_tokens(out, width, eos, pad):
     return rows
 
 
-def run_batches(model, tokenizer, prompts, sizes, args, encode) -> dict:
+def run_batches(model, tokenizer, prompts, sizes, args, encode, compiled=None) -> dict:
+    """``compiled``: a ``run.CompiledForward`` to run both systems on, with a static cache (None: eager, growing
+    caches)."""
     eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     count = max(sizes)
@@ -65,6 +73,20 @@ def run_batches(model, tokenizer, prompts, sizes, args, encode) -> dict:
         warm_ids, warm_mask = left_pad(encoded[:2], pad)
         model.generate(warm_ids, attention_mask=warm_mask, max_new_tokens=4, do_sample=False)
         lookupdec.generate(model, warm_ids, warm_mask, max_new_tokens=4)
+    fast = {"cache_implementation": "static"} if compiled is not None else {}
+    path = compiled if compiled is not None else contextlib.nullcontext()
+
+    def generate(system, ids, mask):
+        with torch.inference_mode(), path:
+            if system == "plain":
+                return model.generate(ids, attention_mask=mask, **kw, **fast), None
+            widths = _WidthLog(model)
+            try:
+                return lookupdec.generate(model, ids, mask, drafter=LookupDrafter(**args.drafter), **kw, **fast), \
+                    widths
+            finally:
+                widths.close()
+
     results = []
     for size in sizes:
         entry = {"batch": size, "plain_seconds": 0.0, "lookup_seconds": 0.0, "tokens": 0, "passes": [],
@@ -74,17 +96,18 @@ def run_batches(model, tokenizer, prompts, sizes, args, encode) -> dict:
             group = list(range(start, start + size))
             ids, mask = left_pad([encoded[i] for i in group], pad)
             times = {"plain": [], "lookup": []}
+            if compiled is not None:  # compile this batch's shapes, untimed
+                for system in times:
+                    generate(system, ids, mask)
             for rep in range(args.reps):
                 for system in (("plain", "lookup") if rep % 2 == 0 else ("lookup", "plain")):
-                    with torch.inference_mode():
-                        t0 = time.perf_counter()
-                        if system == "plain":
-                            plain = model.generate(ids, attention_mask=mask, **kw)
-                        else:
-                            widths = _WidthLog(model)
-                            res = lookupdec.generate(model, ids, mask, drafter=LookupDrafter(**args.drafter), **kw)
-                            widths.close()
-                        times[system].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    out, log = generate(system, ids, mask)
+                    times[system].append(time.perf_counter() - t0)
+                    if system == "plain":
+                        plain = out
+                    else:
+                        res, widths = out, log
             got = _new_tokens(res.sequences, ids.shape[1], eos, pad)
             entry["same_as_plain_batched"] &= got == _new_tokens(plain, ids.shape[1], eos, pad)
             entry["rows_identical"] += sum(g == singles[i] for g, i in zip(got, group))
@@ -126,7 +149,8 @@ def _as_list(value):
 
 def markdown(data: dict, meta: dict) -> str:
     run = (f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, greedy, "
-           f"max_new_tokens={meta['max_new_tokens']}, reps={meta['reps']}, {meta['prompts']} copy-heavy prompts")
+           f"max_new_tokens={meta['max_new_tokens']}, reps={meta['reps']}, {meta['prompts']} copy-heavy prompts, "
+           f"{meta.get('path', 'eager, growing caches')}")
     head = ("| batch | plain tok/s | lookupdec tok/s | speedup | tok/pass per row (median) | mean pass width | "
             "rows identical | = plain batched |")
     lines = [run, "", head, "|---|---|---|---|---|---|---|---|"]

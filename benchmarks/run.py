@@ -439,12 +439,16 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
                     help="batch mode: plain batched greedy vs lookupdec at these batch sizes, on the copy-heavy "
                          "prompts (see benchmarks/batch.py); writes batch.json / batch.md")
+    ap.add_argument("--batch-compiled", action="store_true",
+                    help="batch mode on the fast path: the forward compiled, both systems on a static cache")
     ap.add_argument("--drafter", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="DrafterConfig fields for lookupdec's systems, e.g. --drafter min_n=3 cursor=false "
                          "(ablations on the clock)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     args.drafter = dict(_config_field(item) for item in args.drafter)
+    if args.batch_compiled and not args.batch:
+        ap.error("--batch-compiled is batch mode's fast path: give --batch B [B ...] too")
     if args.report:
         return report(args.report)
     if args.threads:
@@ -559,12 +563,14 @@ def batch_mode(model, tokenizer, args):
     per_suite = [SUITES[s]() for s in suites]
     prompts = [p for group in itertools.zip_longest(*per_suite) for p in group if p is not None]
     started = time.perf_counter()
-    data = batch.run_batches(model, tokenizer, prompts, sorted(set(args.batch)), args, encode)
+    compiled = CompiledForward(model) if args.batch_compiled else None
+    data = batch.run_batches(model, tokenizer, prompts, sorted(set(args.batch)), args, encode, compiled)
     meta = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, {model.device} {str(model.dtype).removeprefix('torch.')}",
         "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "max_new_tokens": args.max_new_tokens, "reps": args.reps, "prompts": max(args.batch),
+        "path": "compiled forward, static caches" if args.batch_compiled else "eager, growing caches",
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]),
     }

@@ -77,3 +77,29 @@ def test_llamacpp_is_skipped_with_a_reason(monkeypatch, tmp_path):
     engine, why = run.llamacpp_for(str(tmp_path), None)  # a folder: no GGUF for llama.cpp
     assert engine is None and "is not a .gguf file" in why
 
+
+
+def test_batch_mode_on_the_fast_path_runs_both_systems_on_a_static_cache():
+    from transformers import StaticCache
+
+    from benchmarks import batch
+
+    model = _tiny()
+    torch.manual_seed(1)
+    texts = {f"p{i}": torch.randint(3, 64, (1, 12 + 3 * i)) for i in range(4)}  # prompt text -> ids
+    caches = set()
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: caches.add(type(kwargs.get("cache", kwargs.get("past_key_values")))),
+        with_kwargs=True)
+    args = types.SimpleNamespace(max_new_tokens=10, reps=1, drafter={})
+    tokenizer = types.SimpleNamespace(eos_token_id=model.generation_config.eos_token_id, pad_token_id=0)
+    prompts = [types.SimpleNamespace(user=text) for text in texts]
+    try:
+        caches.clear()
+        data = batch.run_batches(model, tokenizer, prompts, [2, 4], args, lambda _, text: texts[text],
+                                 compiled=run.CompiledForward(model, backend="eager"))
+    finally:
+        hook.remove()
+    assert StaticCache in caches
+    for entry in data["batches"]:
+        assert entry["rows_identical"] == entry["rows"] == 4 and entry["same_as_plain_batched"]
