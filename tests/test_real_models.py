@@ -35,6 +35,15 @@ def _edit_prompts():
     }
 
 
+def _priced_drafter():
+    # Draft lengths follow the pass cost, and a drafter that measures it draws them from this machine's timings:
+    # on a slow or busy machine it drafts less. Fixed costs (a CPU-like profile: a draft costs 1.3 plain steps
+    # plus 5% per token) keep "drafts do the work" a statement about the drafts, not about the machine.
+    drafter = LookupDrafter()
+    drafter.cost.use_profile([1.0] + [1.3 + 0.05 * d for d in range(1, drafter.drafter_config.max_draft + 1)])
+    return drafter
+
+
 def _chat(tokenizer, text):
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          return_dict=True, return_tensors="pt")["input_ids"]
@@ -46,8 +55,9 @@ def test_embedded_model_matches_greedy_on_real_edits(smollm2, kind):
     ids = _chat(tokenizer, _edit_prompts()[kind])
     mask = torch.ones_like(ids)
     ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=96)
-    ours = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=96)
+    ours = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=96, drafter=_priced_drafter())
     assert ours.sequences.tolist() == ref.tolist()
+    assert lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=96).sequences.tolist() == ref.tolist()
     via_hf = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=96,
                             assistant_model=LookupDrafter())
     assert via_hf.tolist() == ref.tolist()
@@ -63,7 +73,8 @@ def test_embedded_model_on_a_static_cache_matches_greedy(smollm2):
     ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=96)
     assert model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=96,
                           cache_implementation="static").tolist() == ref.tolist()
-    ours = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=96, cache_implementation="static")
+    ours = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=96, cache_implementation="static",
+                              drafter=_priced_drafter())
     assert ours.sequences.tolist() == ref.tolist()
     assert ours.stats.tokens_per_pass > 2.0, ours.stats
 
