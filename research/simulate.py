@@ -470,7 +470,9 @@ class _HindsightDrafter(Drafter):
         self.start_len = len(self.session.index)  # the index then grows by exactly the committed output
         return self.session
 
-    def length(self, offers, *, must_draft=False, fixed=False) -> int:
+    def length(self, offers, *, must_draft=False, fixed=False, widths=None) -> int:
+        if widths:  # the replay runs on a growing cache: no padded widths to price
+            raise ValueError("hindsight lengths are chosen for unpadded passes; the replay passes no widths")
         (offer,) = offers
         done = len(self.session.index) - self.start_len
         return self.choose(offer, _common_prefix(offer.tokens.tolist(), self.answer[done:]))
