@@ -305,7 +305,7 @@ class DraftSession:
         self._prediction_grams: dict = {}
         self.prediction_accepted = 0  # drafted tokens copied from the prediction that the target kept
         self.prediction_rejected = 0  # ... and that it did not
-        self._calibration = drafter.acceptance.record()  # this request's own record of its drafts' first tokens
+        self._calibration = drafter.acceptance.record()  # this request's own record of how its drafts fared
         if prediction is not None and prediction.size:
             start = sum(len(p) for p in parts)
             self._prediction = (start, start + len(prediction))

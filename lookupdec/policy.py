@@ -34,6 +34,7 @@ _PRIOR_WEIGHT = 6.0  # pseudo-observations behind each prior
 _FORGET = 0.97  # per update: recent behaviour counts more (a request moves between copying and writing)
 _RECOVER = 0.85  # per skipped draft: a silent bucket drifts back to its prior, which is how copying is re-probed
 _CALIBRATION_KEEP = 0.9  # the shared calibration follows the last ~10 drafts
+_RUN_WEIGHT = 8.0  # continuations' worth of evidence behind the buckets' run length, in a request's own record
 
 
 def bucket(kind: str, shared: int) -> tuple:
@@ -60,6 +61,14 @@ class Acceptance:
     :meth:`estimate` and :meth:`update` read and write): it starts from the shared scale as it stands when the
     request starts, then follows the request's own drafts only. In a batch, a request writing freely beside
     requests that copy well stops drafting after its own misses, rather than drafting on the others' record.
+
+    The request's record also calibrates ``then``: the continuations its drafts got (``j - 1`` for each draft
+    whose first token was accepted) against those the buckets' ``then`` predicted for them (``then + then^2 + ...
+    + then^(d-1)`` for a draft of ``d``), both forgotten as the first-token record is. Their ratio, with
+    ``_RUN_WEIGHT`` continuations of evidence for the buckets, scales the expected run ``then / (1 - then)``. A
+    request whose copies break after a token or two (an answer quoting its context in short pieces, in a new
+    order) so drafts short whichever bucket the next match falls in, where every bucket's own count would take
+    many drafts to learn it (replayed: the worst QA prompt 0.74x to 0.84x; benchmarks/RESULTS.md).
     """
 
     def __init__(self):
@@ -77,16 +86,20 @@ class Acceptance:
     def estimate(self, bucket, own: list | None = None) -> tuple:
         """``(first, then)`` for drafts from ``bucket``, calibrated by the request's own record ``own`` when given."""
         first, then = self._raw(bucket)
+        if own is not None:
+            run = then / (1.0 - then) * (own[3] + _RUN_WEIGHT) / (own[4] + _RUN_WEIGHT)  # expected continuations
+            then = run / (1.0 + run)
         return min(first * self._scale(own), 0.999), then
 
     def record(self) -> list:
         """A new request's own calibration record: ``[first tokens accepted, first tokens predicted, the shared
-        scale now]``; the scale stands for two drafts' worth of evidence until the request's own accrue."""
-        return [0.0, 0.0, self._scale(None)]
+        scale now, continuations accepted, continuations predicted]``; the scale stands for two drafts' worth of
+        evidence until the request's own accrue."""
+        return [0.0, 0.0, self._scale(None), 0.0, 0.0]
 
     def _scale(self, own: list | None) -> float:
         if own is not None:
-            seen, predicted, prior = own
+            seen, predicted, prior = own[:3]
             return (seen + 2.0 * prior) / (predicted + 2.0)
         seen, predicted = self._calibration
         return (seen + 2.0) / (predicted + 2.0)
@@ -101,6 +114,10 @@ class Acceptance:
             if own is not None:
                 own[0] = own[0] * _CALIBRATION_KEEP + hit
                 own[1] = own[1] * _CALIBRATION_KEEP + expected
+                if accepted:  # continuations are counted given the first token: a miss says nothing of them
+                    then = self._raw(bucket)[1]
+                    own[3] = own[3] * _CALIBRATION_KEEP + (accepted - 1)
+                    own[4] = own[4] * _CALIBRATION_KEEP + float(np.sum(then ** np.arange(1, drafted)))
             tries, firsts, cont, stops = (c * _FORGET for c in self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0)))
             if accepted:
                 firsts += 1.0

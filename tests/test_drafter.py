@@ -5,7 +5,7 @@ import pytest
 
 from lookupdec import DrafterConfig, LookupDrafter, RollingCache
 from lookupdec.drafter import Drafter, NoDrafts
-from lookupdec.policy import Offer, PassCost, best_batch_length, best_draft_length, linear_costs
+from lookupdec.policy import Acceptance, Offer, PassCost, best_batch_length, best_draft_length, linear_costs
 
 
 def _session(prompt, **config):
@@ -451,3 +451,32 @@ def test_each_request_keeps_its_own_record_of_its_drafts():
     # A later request starts from the record they left together, not from either one's.
     later = drafter.acceptance.record()
     assert firsts["writer"][-1] / firsts["writer"][0] < later[2] < 1.0
+
+
+def test_a_request_whose_copies_break_early_expects_short_runs_from_every_bucket():
+    # A request's drafts keep getting their first token right and then break (a QA answer quoting its context in
+    # short pieces): each bucket has seen only a draft or two, so its own then stays near its prior, but the
+    # request's record of continuations scales the expected run down for every bucket, including one it never
+    # drafted from. Another request, with a fresh record, is not affected; a request whose copies run on is not
+    # shortened.
+    acceptance = Acceptance()
+    breaks, runs, fresh = acceptance.record(), acceptance.record(), acceptance.record()
+    buckets = [("index", 2), ("index", 3), ("cursor", 4), ("index", 8)]
+    for bucket in buckets:
+        acceptance.update(bucket, 1, 12, breaks)  # the first token right, the second wrong
+    untouched = ("cursor", 16)
+
+    def run(then):  # the expected continuations of a copy whose first token was right
+        return then / (1.0 - then)
+
+    raw_then = acceptance.estimate(untouched)[1]
+    assert run(acceptance.estimate(untouched, breaks)[1]) < 0.5 * run(raw_then)
+    for bucket in buckets:
+        assert run(acceptance.estimate(bucket, breaks)[1]) < 0.5 * run(acceptance.estimate(bucket)[1])
+    assert acceptance.estimate(untouched, fresh)[1] == pytest.approx(raw_then)
+    for bucket in buckets:
+        acceptance.update(bucket, 12, 12, runs)  # every drafted token right
+    assert acceptance.estimate(untouched, runs)[1] >= acceptance.estimate(untouched)[1]
+    # The first-token odds are the first-token record's business: continuations do not move them.
+    same_firsts = breaks[:3] + [0.0, 0.0]
+    assert acceptance.estimate(untouched, breaks)[0] == acceptance.estimate(untouched, same_firsts)[0]
