@@ -65,9 +65,9 @@ class Acceptance:
     The request's record also calibrates ``then``: the continuations its drafts got (``j - 1`` for each draft
     whose first token was accepted) against those the buckets' ``then`` predicted for them (``then + then^2 + ...
     + then^(d-1)`` for a draft of ``d``), both forgotten as the first-token record is. Their ratio, with
-    ``_RUN_WEIGHT`` continuations of evidence for the buckets, scales the expected run ``then / (1 - then)``. A
-    request whose copies break after a token or two (an answer quoting its context in short pieces, in a new
-    order) so drafts short whichever bucket the next match falls in, where every bucket's own count would take
+    ``_RUN_WEIGHT`` continuations of evidence for the buckets, scales the expected run ``then / (1 - then)``. So
+    a request whose copies break after a token or two (an answer quoting its context in short pieces, in a new
+    order) drafts short from whichever bucket the next match falls in, where each bucket's own count would take
     many drafts to learn it (replayed: the worst QA prompt 0.74x to 0.84x; benchmarks/RESULTS.md).
     """
 
