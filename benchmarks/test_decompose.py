@@ -3,9 +3,9 @@ product; run them from the repository root: ``python -m pytest -q benchmarks``."
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import decompose
+from benchmarks.test_run import _tiny
 
 
 def _record(steps, *, plain_s=10.0, prefill_s=1.0, plain_tokens=10, lookupdec_s=8.0, price=(1.0, 1.5, 2.0, 2.5)):
@@ -38,11 +38,7 @@ def test_each_prompt_is_compared_with_its_own_plain_step():
 
 
 def test_measure_runs_both_systems_and_checks_the_output():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.pad_token_id = 0
+    model = _tiny()
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
     rec = decompose.measure(model, ids, max_new_tokens=12, reps=1)
     assert rec["identical"]
