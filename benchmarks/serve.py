@@ -28,8 +28,10 @@ Workload: the same requests at every concurrency level, all greedy (``temperatur
 Python functions (``benchmarks/workloads.py``), sent to ``lookupdec`` and ``vllm-lookupdec`` with the file's text
 as the OpenAI ``prediction``, and open-ended prompts (the control: nothing to copy). The other servers get no
 ``prediction`` (``transformers serve`` names the field as unsupported and ignores it; plain vLLM drops it). At each
-level a closed loop of that many clients sends the requests; the servers run one at a time, in alternating order,
-so they never compete for the CPU. ``lookupdec`` and ``vllm-lookupdec`` get a fresh server for each level (their
+level a closed loop of that many clients sends the requests (``--interval S``: an open loop instead, a request
+every S seconds whatever the server does, at most the level's number in flight, each latency counted from the
+request's arrival, so that every server gets the same offered load); the servers run one at a time, in
+alternating order, so they never compete for the CPU. ``lookupdec`` and ``vllm-lookupdec`` get a fresh server for each level (their
 in-memory cache of earlier outputs would draft repeated requests from their own answers).
 
 Reported per server and level: median and p95 latency (p95 by nearest rank: with few requests it is close to
@@ -37,7 +39,8 @@ the maximum), output tokens per second (all output tokens over the level's wall 
 tokenizing the returned text with the model's tokenizer, so equal texts count equal tokens on every server),
 accepted / rejected prediction tokens (``usage.completion_tokens_details``) of the servers given a prediction, and
 each server's ratios to a reference server (``--reference``: ``vllm`` when it runs, else ``transformers``, else the
-first of ``--servers``): median, p95, median edit and median open-ended latency, throughput. Greedy outputs are
+first of ``--servers``): median, p95, median edit and median open-ended latency, each open-ended request's speed
+(the reference's latency over the server's), throughput. Greedy outputs are
 compared with the reference's for the same request and repetition (``identical``) and with each server's own output
 at the lowest level (``stable``). Writes ``serve.json`` (every request) and ``serve.md`` to ``--out``.
 
@@ -69,6 +72,7 @@ Examples::
     python -m benchmarks.serve --servers transformers --levels 4 --tf-mode sequential   # one server, one level
     python -m benchmarks.serve --servers vllm vllm-ngram vllm-lookupdec lookupdec --levels 1 4 8   # issue 24
     python -m benchmarks.serve --servers vllm lookupdec --levels 1 --requests 2 --max-tokens 8 --reps 1   # smoke
+    python -m benchmarks.serve --servers vllm vllm-lookupdec --levels 8 --interval 4.2   # the same offered load
     python -m benchmarks.serve --soak 600     # 10 minutes of load at concurrency 8: ~12 min in all (estimate)
     python -m benchmarks.serve --soak 20 --requests 2 --max-tokens 8   # a smoke run of the soak: ~1.5 min
     python -m benchmarks.serve --head-of-line # issue 23's same-run ratios: ~5-8 min on 2 cores (estimate)
@@ -525,12 +529,14 @@ def _openai():
     return openai
 
 
-async def _send(client, server: Server, req: Request, level: int, rep: int, tokenizer) -> Result:
+async def _send(client, server: Server, req: Request, level: int, rep: int, tokenizer,
+                start: float | None = None) -> Result:
+    """One request; its latency counts from ``start`` (the open loop's arrival time), or from now."""
     kw = {"model": server.model_id, "messages": [{"role": "user", "content": req.user}],
           "max_tokens": req.max_tokens, "temperature": 0}
     if server.name in PREDICTION_SERVERS and req.prediction is not None:
         kw["prediction"] = {"type": "content", "content": req.prediction}
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
     try:
         resp = await client.chat.completions.create(**kw)
     except Exception as err:  # noqa: BLE001 - every failure is recorded and reported, none stops the run
@@ -547,24 +553,39 @@ async def _send(client, server: Server, req: Request, level: int, rep: int, toke
                   getattr(details, "rejected_prediction_tokens", None) if details else None)
 
 
-async def _drive(server: Server, requests: list[Request], level: int, rep: int, tokenizer):
-    """A closed loop of `level` clients over `requests`; returns (results in request order, wall seconds)."""
+async def schedule(requests: list, level: int, interval: float | None, send) -> tuple[list, float]:
+    """Runs ``await send(request, start)`` for every request, at most ``level`` at once; returns (the results in
+    request order, wall seconds). ``interval`` None is a closed loop of ``level`` clients, each sending the next
+    request when its last one is answered (``start`` None: latency counts from the send). A number is an open
+    loop: request i arrives ``i * interval`` seconds after the first, whatever the server does, and its latency
+    counts from that arrival, time spent waiting for one of the ``level`` slots included."""
+    gate = asyncio.Semaphore(level)
+    begin = time.perf_counter()
+
+    async def one(i, req):
+        arrival = None
+        if interval is not None:
+            await asyncio.sleep(max(0.0, begin + i * interval - time.perf_counter()))
+            arrival = time.perf_counter()
+        async with gate:
+            return await send(req, arrival)
+
+    results = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return list(results), time.perf_counter() - begin
+
+
+async def _drive(server: Server, requests: list[Request], level: int, rep: int, tokenizer,
+                 interval: float | None = None):
     openai = _openai()
     async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                                   timeout=REQUEST_TIMEOUT_S) as client:
-        gate = asyncio.Semaphore(level)
-
-        async def one(req):
-            async with gate:
-                return await _send(client, server, req, level, rep, tokenizer)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(r) for r in requests))
-        return list(results), time.perf_counter() - start
+        return await schedule(requests, level, interval,
+                              lambda req, start: _send(client, server, req, level, rep, tokenizer, start))
 
 
-def drive(server, requests, level, rep, tokenizer):
-    return asyncio.run(_drive(server, requests, level, rep, tokenizer))
+def drive(server, requests, level, rep, tokenizer, interval=None):
+    """`requests` through `server` as :func:`schedule` sends them; returns (results in request order, wall s)."""
+    return asyncio.run(_drive(server, requests, level, rep, tokenizer, interval))
 
 
 # Warm-up prompts outside the workload: lookupdec's rolling cache remembers every output, so warming up on the
@@ -629,6 +650,8 @@ def summarize(results: list[Result], walls: dict, servers: list[str], levels: li
                     "median_edit_latency": _ratio(row["median_edit_s"], ref["median_edit_s"]),
                     "median_open_latency": _ratio(row["median_open_s"], ref["median_open_s"]),
                     "throughput": _ratio(row["tok_s"], ref["tok_s"]),
+                    # Each open-ended request's speed (the reference's latency over this server's), slowest first.
+                    "open_speeds": sorted(b.seconds / a.seconds for a, b in pairs if a.kind == "open"),
                     "pairs": len(pairs), "identical": sum(a.text == b.text for a, b in pairs),
                     "differences": [_difference(a, b) for a, b in pairs if a.text != b.text],
                 }
@@ -671,6 +694,9 @@ def markdown(summary: dict, meta: dict) -> str:
     if cached:
         setup.append(f"one {cached} server throughout" if meta["keep_cache"] else f"a fresh {cached} server per level")
     edits = f"{meta['edits']} edits" + (f" with a prediction for {' and '.join(predicted)}" if predicted else "")
+    if meta.get("interval") is not None:
+        setup.append(f"an open loop: a request every {meta['interval']} s, at most c in flight, latency from arrival "
+                     f"(tok/s then follows the arrivals more than the server)")
     lines = [(f"Run: {meta['date']}, {meta['machine']}, model {meta['model']}, {meta['requests']} requests "
               f"({edits}, {meta['opens']} open) per level, max_tokens={meta['max_tokens']}, greedy, "
               f"reps={meta['reps']}, {', '.join(setup)}; {meta['seconds']} s in all."), "",
@@ -692,11 +718,12 @@ def markdown(summary: dict, meta: dict) -> str:
         lines += ["", (f"Each server / {ref}, same run (latency < 1 and throughput > 1 favour the server; "
                        f"identical = same greedy text as {ref} for the same request and repetition):"), "",
                   "| c | server | median latency | p95 latency | median edit latency | median open latency "
-                  "| throughput | identical |", "|" + "---|" * 8]
+                  "| open-ended speed, per request | throughput | identical |", "|" + "---|" * 9]
         for level, by_server in summary["ratios"].items():
             for server, r in by_server.items():
+                opens = ", ".join(f(v) for v in r["open_speeds"]) or "-"
                 lines.append(f"| {level} | {server} | {f(r['median_latency'])} | {f(r['p95_latency'])} "
-                             f"| {f(r['median_edit_latency'])} | {f(r['median_open_latency'])} "
+                             f"| {f(r['median_edit_latency'])} | {f(r['median_open_latency'])} | {opens} "
                              f"| {f(r['throughput'])} | {r['identical']}/{r['pairs']} |")
         diffs = [(level, d) for level, by_server in summary["ratios"].items() for r in by_server.values()
                  for d in r["differences"]]
@@ -734,7 +761,7 @@ def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[
                 note(f"{name} restarted in {server.ready_s:.1f} s")
                 warm_up(server, tokenizer, width)
             cpu = server.cpu_seconds()
-            rs, wall = drive(server, requests, level, rep, tokenizer)
+            rs, wall = drive(server, requests, level, rep, tokenizer, args.interval)
             # The server's CPU time over the wall time: about its thread count when it had the cores to itself,
             # well below when another process took them (this machine is shared) or it waited on the client.
             busy = (server.cpu_seconds() - cpu) / wall if cpu is not None else None
@@ -1431,6 +1458,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default 256; 96 quick)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of every level (default 2; 1 quick)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels")
+    ap.add_argument("--interval", type=float, default=None, metavar="SECONDS",
+                    help="an open loop instead of closed-loop clients: a request every SECONDS, whatever the server "
+                         "does, each level then being the most requests in flight; latency counts from arrival. "
+                         "Servers compared at the same offered load rather than each at its own pace")
     ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(DEFAULT_SERVERS),
                     help="servers to run, in this order (default: lookupdec transformers); vllm, vllm-ngram, "
                          "vllm-lookupdec and vllm-zero run in --vllm-python's environment")
@@ -1486,6 +1517,8 @@ def main(argv=None) -> int:
         args.reference = next((s for s in ("vllm", "transformers") if s in args.servers), args.servers[0])
     elif args.reference not in args.servers:
         ap.error(f"--reference {args.reference} is not among --servers ({' '.join(args.servers)})")
+    if args.interval is not None and (args.interval < 0 or args.soak or args.head_of_line):
+        ap.error("--interval takes seconds >= 0, for the load benchmark (not --soak or --head-of-line)")
     if args.soak:
         args.max_tokens = min(args.max_tokens, 64)  # short requests: many of them, and malformed ones in between
 
@@ -1526,7 +1559,8 @@ def main(argv=None) -> int:
             f"{args.device} {args.dtype}", "threads": args.threads, "tf_mode": args.tf_mode,
             "requests": len(requests), "edits": sum(r.kind == "edit" for r in requests),
             "opens": sum(r.kind == "open" for r in requests), "max_tokens": args.max_tokens, "reps": args.reps,
-            "levels": args.levels, "keep_cache": args.keep_cache, "seconds": round(time.perf_counter() - started, 1),
+            "levels": args.levels, "interval": args.interval, "keep_cache": args.keep_cache,
+            "seconds": round(time.perf_counter() - started, 1),
             "reference": summary["reference"], "max_batch": args.max_batch,
             "vllm_python": args.vllm_python if any(s in VLLM_SERVERS for s in servers) else None,
             "load_average_at_start": load, "load_average_at_end": os.getloadavg(),

@@ -18,7 +18,11 @@ simulated engine:
   of its draft that matches its answer, plus one token.
 
 It reports what ``benchmarks/serve.py`` reports against plain decoding (the same loop without drafts):
-throughput, the median edit speed and each open-ended request's speed (plain latency over simulated). It is a tuning tool: the truth is the
+throughput, the median edit speed and each open-ended request's speed (plain latency over simulated).
+
+``--like C`` replaces the closed loop by an open one, as ``benchmarks/serve.py --interval`` does: requests arrive
+at a fixed interval (the one at which plain decoding's closed loop of C clients sent them), the same for both
+engines, so that a faster engine is not also handed more work while an open-ended request runs. It is a tuning tool: the truth is the
 served run. It cannot see what the real engine adds (the scheduler's own time, the processes' contention on two
 cores, the noise), so compare policies with it, and confirm a choice with ``benchmarks/serve.py``.
 
@@ -26,6 +30,7 @@ Examples::
 
     python -m research.serve_sim --out /tmp/serve_sim
     python -m research.serve_sim --out /tmp/serve_sim --policies unbounded slowdown:0.25 cap:24
+    python -m research.serve_sim --out /tmp/serve_sim --levels 8 --like 1 4 8 --policies unbounded oracle-edits:256
 """
 
 from __future__ import annotations
@@ -115,17 +120,25 @@ def policy_lengths(policy: str, offers, base: float, per_token: float, margin: f
 
 
 def run(jobs: list, eos: int, concurrency: int, policy: str | None, base: float, per_token: float,
-        prefill_share: float = 1.0, max_draft: int = MAX_DRAFT) -> dict:
-    """One closed-loop pass over ``jobs``; ``policy`` None is plain decoding. Returns the wall time and each
-    request's latency (admission to its last token)."""
+        prefill_share: float = 1.0, max_draft: int = MAX_DRAFT, interval: float | None = None) -> dict:
+    """One pass over ``jobs``; ``policy`` None is plain decoding. ``interval`` None is the closed loop of
+    ``concurrency`` clients; a number is an open loop: request i arrives at ``i * interval`` seconds whatever the
+    engine does, and waits while ``concurrency`` rows (vLLM's ``--max-num-seqs``) are running. Returns the wall
+    time, each request's latency (its arrival, or its admission in the closed loop, to its last token) and the
+    mean number of running rows over the steps."""
     lookup = policy is not None and not policy.startswith("oracle")
     drafter = Drafter(DrafterConfig(max_draft=max_draft, calibrate=False)) if lookup else None
+    arrival = {j.name: (0.0 if interval is None else i * interval) for i, j in enumerate(jobs)}
     queue, live, latency, clock = list(jobs), [], {}, 0.0
-    tokens_out = 0
+    tokens_out, rows_stepped, steps = 0, 0, 0
     while queue or live:
+        if not live and queue and arrival[queue[0].name] > clock:
+            clock = arrival[queue[0].name]  # the engine idles until the next request arrives
         admitted = []
-        while queue and len(live) + len(admitted) < concurrency:
-            admitted.append(Live(queue.pop(0), clock))
+        while queue and len(live) + len(admitted) < concurrency and arrival[queue[0].name] <= clock:
+            job = queue.pop(0)
+            admitted.append(Live(job, clock if interval is None else arrival[job.name]))
+        rows_stepped, steps = rows_stepped + len(live) + len(admitted), steps + 1
         tokens = sum(1 + len(r.draft) for r in live) + prefill_share * sum(len(r.job.prompt) for r in admitted)
         clock += base + per_token * tokens
         for r in live:  # verify: the longest matching prefix of the draft, plus one target token
@@ -166,20 +179,22 @@ def run(jobs: list, eos: int, concurrency: int, policy: str | None, base: float,
             lengths = policy_lengths(policy, offers, base, per_token, margin=drafter.drafter_config.margin())
             for (r, _), length in zip(rows, lengths):
                 r.draft = [int(t) for t in r.session.take(length)]
-    return {"wall": clock, "latency": latency, "tokens": tokens_out}
+    return {"wall": clock, "latency": latency, "tokens": tokens_out, "rows": rows_stepped / max(steps, 1)}
 
 
-def compare(jobs, eos, concurrency, policies, base, per_token, prefill_share=1.0, max_draft=MAX_DRAFT) -> list:
-    plain = run(jobs, eos, concurrency, None, base, per_token, prefill_share)
+def compare(jobs, eos, concurrency, policies, base, per_token, prefill_share=1.0, max_draft=MAX_DRAFT,
+            interval=None) -> list:
+    plain = run(jobs, eos, concurrency, None, base, per_token, prefill_share, interval=interval)
     kinds = {j.name: j.kind for j in jobs}
     rows = []
     for policy in policies:
-        got = run(jobs, eos, concurrency, policy, base, per_token, prefill_share, max_draft)
+        got = run(jobs, eos, concurrency, policy, base, per_token, prefill_share, max_draft, interval)
         speed = {n: plain["latency"][n] / got["latency"][n] for n in got["latency"]}
         opens = sorted(round(s, 2) for n, s in speed.items() if kinds[n] == "open")
         edits = [s for n, s in speed.items() if kinds[n] == "edit"]
         rows.append({"c": concurrency, "policy": policy, "throughput": plain["wall"] / got["wall"],
-                     "edit_median": statistics.median(edits), "open": opens})
+                     "edit_median": statistics.median(edits), "open": opens,
+                     "plain_rows": plain["rows"], "rows": got["rows"]})
     return rows
 
 
@@ -198,17 +213,39 @@ def main(argv=None) -> None:
                     help="what a prompt token costs against a decoding one (0: prefills free, to isolate them)")
     ap.add_argument("--max-draft", type=int, default=MAX_DRAFT,
                     help=f"the longest draft (lookupdec serve --engine vllm asks vLLM for {MAX_DRAFT})")
+    loop = ap.add_mutually_exclusive_group()
+    loop.add_argument("--like", type=int, nargs="+", default=None, metavar="C",
+                      help="open loop instead: requests arrive at a fixed interval, the one at which plain decoding's "
+                           "closed loop of C clients sent them on average (its wall time over the requests), so both "
+                           "engines get the same offered load; --levels is then the most running rows (vLLM's "
+                           "--max-num-seqs, 8 as served)")
+    loop.add_argument("--interval", type=float, nargs="+", default=None, metavar="S",
+                      help="open loop, a request every S seconds (benchmarks/serve.py --interval)")
     args = ap.parse_args(argv)
     jobs, eos = answers(args.out, args.requests, args.max_tokens)
+    base, per_token = args.base_ms / 1e3, args.per_token_ms / 1e3
     print(f"step = {args.base_ms} ms + {args.per_token_ms} ms per scheduled token; ratios against plain decoding "
           f"in the same simulated loop")
-    print("| c | policy | throughput | median edit speed | open-ended speed, per request |")
-    print("|---|---|---|---|---|")
-    for c in args.levels:
-        for row in compare(jobs, eos, c, args.policies, args.base_ms / 1e3, args.per_token_ms / 1e3,
-                           args.prefill_share, args.max_draft):
-            opens = ", ".join(f"{s:.2f}" for s in row["open"])
-            print(f"| {c} | {row['policy']} | {row['throughput']:.2f}x | {row['edit_median']:.2f}x | {opens} |")
+    if args.like is None and args.interval is None:
+        print("| c | policy | throughput | median edit speed | open-ended speed, per request |")
+        print("|---|---|---|---|---|")
+        for c in args.levels:
+            for row in compare(jobs, eos, c, args.policies, base, per_token, args.prefill_share, args.max_draft):
+                opens = ", ".join(f"{s:.2f}" for s in row["open"])
+                print(f"| {c} | {row['policy']} | {row['throughput']:.2f}x | {row['edit_median']:.2f}x | {opens} |")
+        return
+    print("| load like c | interval s | most rows | policy | mean rows, plain / policy | median edit speed "
+          "| open-ended speed, per request |")
+    print("|---|---|---|---|---|---|---|")
+    loads = [(f"{like}", run(jobs, eos, like, None, base, per_token, args.prefill_share)["wall"] / len(jobs))
+             for like in args.like or []] + [("-", interval) for interval in args.interval or []]
+    for like, interval in loads:
+        for c in args.levels:
+            for row in compare(jobs, eos, c, args.policies, base, per_token, args.prefill_share, args.max_draft,
+                               interval):
+                opens = ", ".join(f"{s:.2f}" for s in row["open"])
+                print(f"| {like} | {interval:.2f} | {c} | {row['policy']} | {row['plain_rows']:.1f} / "
+                      f"{row['rows']:.1f} | {row['edit_median']:.2f}x | {opens} |")
 
 
 if __name__ == "__main__":

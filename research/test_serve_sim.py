@@ -68,3 +68,30 @@ def test_lookup_drafts_from_the_prediction_speed_edits_and_an_open_row_pays_for_
 def test_unknown_policies_are_refused():
     with pytest.raises(ValueError, match="unknown policy"):
         run([_job("a")], eos=0, concurrency=1, policy="fastest", base=BASE, per_token=PER)
+
+
+def test_the_open_loop_sends_requests_on_a_clock_and_counts_latency_from_arrival():
+    alone = (BASE + PER * 20) + 39 * (BASE + PER)
+    jobs = [_job("a"), _job("b"), _job("c")]
+    # Arrivals further apart than a request takes: each runs alone, the engine idles in between.
+    spaced = run(jobs, eos=0, concurrency=8, policy=None, base=BASE, per_token=PER, interval=10 * alone)
+    assert all(v == pytest.approx(alone) for v in spaced["latency"].values())
+    assert spaced["wall"] == pytest.approx(20 * alone + alone)
+    assert spaced["rows"] == pytest.approx(1.0)
+    # All at once, one row at a time: the third waits for two, and its latency counts that wait.
+    queued = run(jobs, eos=0, concurrency=1, policy=None, base=BASE, per_token=PER, interval=0.0)
+    assert queued["latency"]["c"] == pytest.approx(3 * alone)
+
+
+def test_at_the_same_offered_load_an_open_row_loses_nothing_to_edits_that_waste_no_token():
+    copy = list(range(100, 160))
+    edits = [_job(f"edit{i}", prompt=20 + i, answer=copy, prediction=copy, max_tokens=60) for i in range(3)]
+    free = _job("open", kind="open", answer=list(range(300, 360)), max_tokens=60)
+    jobs = [edits[0], free, edits[1], edits[2]]
+    interval = run(jobs, eos=0, concurrency=2, policy=None, base=BASE, per_token=PER)["wall"] / len(jobs)
+    # The closed loop of the test above leaves the open row below 0.95x; here the arrivals do not speed up when
+    # the edits finish sooner, so the open row shares its steps with the same tokens, in fewer steps.
+    row, = compare(jobs, eos=0, concurrency=8, policies=["oracle-edits"], base=BASE, per_token=PER,
+                   interval=interval)
+    assert row["open"][0] >= 1.0 and row["edit_median"] > 2.0
+    assert row["rows"] < row["plain_rows"]
