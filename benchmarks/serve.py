@@ -31,8 +31,8 @@ as the OpenAI ``prediction``, and open-ended prompts (the control: nothing to co
 level a closed loop of that many clients sends the requests (``--interval S``: an open loop instead, a request
 every S seconds whatever the server does, at most the level's number in flight, each latency counted from the
 request's arrival, so that every server gets the same offered load); the servers run one at a time, in
-alternating order, so they never compete for the CPU. ``lookupdec`` and ``vllm-lookupdec`` get a fresh server for each level (their
-in-memory cache of earlier outputs would draft repeated requests from their own answers).
+alternating order, so they never compete for the CPU. ``lookupdec`` and ``vllm-lookupdec`` get a fresh server
+for each level (their in-memory cache of earlier outputs would draft repeated requests from their own answers).
 
 Reported per server and level: median and p95 latency (p95 by nearest rank: with few requests it is close to
 the maximum), output tokens per second (all output tokens over the level's wall time; tokens are counted by

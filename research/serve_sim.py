@@ -20,11 +20,14 @@ simulated engine:
 It reports what ``benchmarks/serve.py`` reports against plain decoding (the same loop without drafts):
 throughput, the median edit speed and each open-ended request's speed (plain latency over simulated).
 
-``--like C`` replaces the closed loop by an open one, as ``benchmarks/serve.py --interval`` does: requests arrive
-at a fixed interval (the one at which plain decoding's closed loop of C clients sent them), the same for both
-engines, so that a faster engine is not also handed more work while an open-ended request runs. It is a tuning tool: the truth is the
-served run. It cannot see what the real engine adds (the scheduler's own time, the processes' contention on two
-cores, the noise), so compare policies with it, and confirm a choice with ``benchmarks/serve.py``.
+``--like C`` and ``--interval S`` replace the closed loop by an open one, as ``benchmarks/serve.py --interval``
+does: requests arrive at a fixed interval (S seconds, or the one at which plain decoding's closed loop of C clients
+sent them), the same for both engines, so that a faster engine is not also handed more work while an open-ended
+request runs.
+
+It is a tuning tool: the truth is the served run. It cannot see what the real engine adds (the scheduler's own
+time, the processes' contention on two cores, the noise), so compare policies with it, and confirm a choice with
+``benchmarks/serve.py``.
 
 Examples::
 
