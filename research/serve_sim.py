@@ -185,6 +185,12 @@ def run(jobs: list, eos: int, concurrency: int, policy: str | None, base: float,
     return {"wall": clock, "latency": latency, "tokens": tokens_out, "rows": rows_stepped / max(steps, 1)}
 
 
+def matched_interval(jobs, eos, like: int, base: float, per_token: float, prefill_share: float = 1.0) -> float:
+    """The open loop's interval for the offered load of plain decoding's closed loop of ``like`` clients: that
+    loop's wall time over its requests."""
+    return run(jobs, eos, like, None, base, per_token, prefill_share)["wall"] / len(jobs)
+
+
 def compare(jobs, eos, concurrency, policies, base, per_token, prefill_share=1.0, max_draft=MAX_DRAFT,
             interval=None) -> list:
     plain = run(jobs, eos, concurrency, None, base, per_token, prefill_share, interval=interval)
@@ -240,7 +246,7 @@ def main(argv=None) -> None:
     print("| load like c | interval s | most rows | policy | mean rows, plain / policy | median edit speed "
           "| open-ended speed, per request |")
     print("|---|---|---|---|---|---|---|")
-    loads = [(f"{like}", run(jobs, eos, like, None, base, per_token, args.prefill_share)["wall"] / len(jobs))
+    loads = [(f"{like}", matched_interval(jobs, eos, like, base, per_token, args.prefill_share))
              for like in args.like or []] + [("-", interval) for interval in args.interval or []]
     for like, interval in loads:
         for c in args.levels:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from research.serve_sim import Job, compare, run
+from research.serve_sim import Job, compare, matched_interval, run
 
 BASE, PER = 0.05, 0.002
 
@@ -88,7 +88,7 @@ def test_at_the_same_offered_load_an_open_row_loses_nothing_to_edits_that_waste_
     edits = [_job(f"edit{i}", prompt=20 + i, answer=copy, prediction=copy, max_tokens=60) for i in range(3)]
     free = _job("open", kind="open", answer=list(range(300, 360)), max_tokens=60)
     jobs = [edits[0], free, edits[1], edits[2]]
-    interval = run(jobs, eos=0, concurrency=2, policy=None, base=BASE, per_token=PER)["wall"] / len(jobs)
+    interval = matched_interval(jobs, eos=0, like=2, base=BASE, per_token=PER)
     # The closed loop of the test above leaves the open row below 0.95x; here the arrivals do not speed up when
     # the edits finish sooner, so the open row shares its steps with the same tokens, in fewer steps.
     row, = compare(jobs, eos=0, concurrency=8, policies=["oracle-edits"], base=BASE, per_token=PER,
