@@ -36,6 +36,7 @@ No torch and no numba here: the cache sits beside the numba index (see STYLE.md)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import numbers
@@ -43,7 +44,7 @@ import os
 import stat
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -54,7 +55,7 @@ import pygtrie
 from ._fs import atomic_write
 from .errors import LookupdecError
 
-__all__ = ["CacheConfig", "CacheFileError", "RollingCache"]
+__all__ = ["CacheConfig", "CacheFileError", "ClientCaches", "RollingCache"]
 
 logger = logging.getLogger("lookupdec")
 
@@ -477,6 +478,65 @@ class RollingCache:
         for arr in sequences:
             cache._add_array(arr)
         return cache
+
+
+class ClientCaches:
+    """One rolling cache per client, so that one client's answers never become another's drafts.
+
+    Drafts never change an answer (the target verifies every token), but they change how fast it comes: with one
+    cache shared by every client, a client who times its responses can learn whether some other client recently
+    generated a text. Scoped caches close that channel between clients; the price is that a client no longer
+    drafts from what others generated.
+
+    Clients are named by a string (OpenAI's ``user`` field); only a hash of it is kept, so a long name costs a fixed
+    amount. A client's cache is made by its first finished request (a lookup for an unknown client finds nothing
+    and allocates nothing), and the caches together hold at most ``max_tokens`` tokens: the least recently used
+    client's cache is dropped whole while they hold more. Thread safe.
+    """
+
+    def __init__(self, config: CacheConfig, max_tokens: int):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.config = config  # of each client's cache
+        self.max_tokens = max_tokens
+        self._caches: OrderedDict[str, RollingCache] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(client: str) -> str:
+        return hashlib.sha256(client.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def __len__(self) -> int:
+        """The clients that hold a cache now."""
+        with self._lock:
+            return len(self._caches)
+
+    def get(self, client: str) -> RollingCache | None:
+        """``client``'s cache, or None when it has none (nothing finished yet, or dropped)."""
+        key = self._key(client)
+        with self._lock:
+            cache = self._caches.get(key)
+            if cache is not None:
+                self._caches.move_to_end(key)
+            return cache
+
+    def add(self, client: str, tokens) -> None:
+        """Store a finished sequence in ``client``'s cache (made now if it has none), then drop the least recently
+        used other clients' caches while all of them hold more than ``max_tokens``."""
+        key = self._key(client)
+        with self._lock:
+            cache = self._caches.get(key)
+            if cache is None:
+                cfg = self.config
+                cache = self._caches[key] = RollingCache(max_tokens=cfg.max_tokens, min_n=cfg.min_n, max_n=cfg.max_n)
+            self._caches.move_to_end(key)
+        cache.add(tokens)
+        with self._lock:
+            total = sum(len(c) for c in self._caches.values())
+            for other in list(self._caches):
+                if total <= self.max_tokens or other == key:
+                    break
+                total -= len(self._caches.pop(other))
 
 
 def _identity(status: os.stat_result) -> tuple[int, int]:

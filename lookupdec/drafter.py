@@ -45,7 +45,7 @@ from typing import Protocol, Union
 
 import numpy as np
 
-from .cache import RollingCache
+from .cache import CacheConfig, ClientCaches, RollingCache
 from .index import NgramIndex
 from .policy import (
     Acceptance,
@@ -126,10 +126,16 @@ class DrafterConfig:
 
 
 
+def cache_config(config: DrafterConfig) -> CacheConfig:
+    """The rolling cache for a drafter with ``config``: ``cache_tokens`` tokens, matching its n-gram sizes from
+    bigrams on (unigram hits across unrelated requests are noise)."""
+    return CacheConfig(max_tokens=config.cache_tokens, min_n=max(2, config.min_n), max_n=max(2, config.max_n))
+
+
 def new_cache(config: DrafterConfig) -> RollingCache:
-    """An empty rolling cache sized for a drafter with ``config``: ``cache_tokens`` tokens, matching its n-gram
-    sizes from bigrams on (unigram hits across unrelated requests are noise)."""
-    return RollingCache(max_tokens=config.cache_tokens, min_n=max(2, config.min_n), max_n=max(2, config.max_n))
+    """An empty rolling cache sized for a drafter with ``config`` (:func:`cache_config`)."""
+    cfg = cache_config(config)
+    return RollingCache(max_tokens=cfg.max_tokens, min_n=cfg.min_n, max_n=cfg.max_n)
 
 
 TokenSource = Union[str, Sequence[int], np.ndarray]
@@ -190,6 +196,8 @@ class Drafter:
         if cache is None and cfg.use_cache:
             cache = new_cache(cfg)
         self.cache = cache if cfg.use_cache else None
+        # Per-client caches (start(client=...)), under the same token budget as a cache the drafter makes itself.
+        self.clients = ClientCaches(cache_config(cfg), cfg.cache_tokens) if cfg.use_cache else None
         self.references = [_as_tokens(ref, tokenizer) for ref in (references or [])]
         self.vocab_size = vocab_size
         self.acceptance = Acceptance()
@@ -223,17 +231,23 @@ class Drafter:
             return self._batch_costs[rows]
 
     def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = (), *, prediction: Sequence[int] | None = None,
-              reproducible: bool = False) -> DraftSession:
+              reproducible: bool = False, client: str | None = None, use_cache: bool = True) -> DraftSession:
         """Begin drafting for one request whose context is ``prompt`` (token ids). ``prediction``: token ids this
         request's output is expected to repeat (OpenAI's Predicted Outputs, e.g. the file being edited): a
         reference of its own, preferred over other copies of the same text, whose drafted tokens the session
         counts (:attr:`DraftSession.prediction_accepted`, :attr:`DraftSession.prediction_rejected`).
         ``reproducible``: the request samples from a seeded generator, so its draft lengths must not depend on
         timings (how many random draws a pass takes depends on its draft's length): passes with such a row price
-        drafts with the measured profile as it is, neither refined nor probed (:class:`~lookupdec.policy.Refinement`)."""
+        drafts with the measured profile as it is, neither refined nor probed (:class:`~lookupdec.policy.Refinement`).
+
+        Which rolling cache of earlier outputs the request drafts from and feeds: ``client=None``, the drafter's
+        shared :attr:`cache`; a client's name, that client's own cache in :attr:`clients` (other clients' outputs are
+        never drafted from); ``use_cache=False``, none."""
+        if client is not None and not isinstance(client, str):
+            raise TypeError(f"client must be a string or None, got {type(client).__name__}")
         prediction = None if prediction is None else np.asarray(prediction, dtype=np.int32)
         session = DraftSession(self, np.asarray(prompt, dtype=np.int32), frozenset(int(t) for t in eos_ids),
-                               prediction)
+                               prediction, client=client if use_cache else None, use_cache=use_cache)
         session.reproducible = bool(reproducible)
         return session
 
@@ -292,9 +306,12 @@ def _as_tokens(ref: TokenSource, tokenizer) -> np.ndarray:
 class DraftSession:
     """Drafting state of one request: its index, its alignment cursor, and the draft awaiting verification."""
 
-    def __init__(self, drafter: Drafter, prompt: np.ndarray, eos_ids: frozenset, prediction: np.ndarray | None = None):
+    def __init__(self, drafter: Drafter, prompt: np.ndarray, eos_ids: frozenset, prediction: np.ndarray | None = None,
+                 *, client: str | None = None, use_cache: bool = True):
         cfg = drafter.drafter_config
         self.drafter = drafter
+        self._client = client  # whose rolling cache this request drafts from and feeds (None: the shared one)
+        self._use_cache = use_cache and drafter.cache is not None
         self.reproducible = False  # Drafter.start(reproducible=True): lengths priced without timings
         self._eos = np.array(sorted(eos_ids), dtype=np.int32)
         parts = []
@@ -305,6 +322,8 @@ class DraftSession:
         self._prediction_grams: dict = {}
         self.prediction_accepted = 0  # drafted tokens copied from the prediction that the target kept
         self.prediction_rejected = 0  # ... and that it did not
+        self.cache_drafted = 0  # drafted tokens copied from the rolling cache of earlier outputs
+        self.cache_accepted = 0  # ... of which the target kept
         self._calibration = drafter.acceptance.record()  # this request's own record of how its drafts fared
         if prediction is not None and prediction.size:
             start = sum(len(p) for p in parts)
@@ -360,7 +379,7 @@ class DraftSession:
         if self._prediction_grams and not self._in_prediction(src):
             n, src = self._prefer_prediction(n, src)
         shared = index.match_length(src, 32) if n else 0
-        cache = self.drafter.cache
+        cache = self._cache()
         if cache is not None and shared < 8 and not (n and self._in_prediction(src)):  # the caller's prediction first
             tokens = index.tokens
             n_cache, cached = cache.lookup(tokens[max(0, len(tokens) - cache.max_n):], limit)
@@ -369,6 +388,13 @@ class DraftSession:
         if n == 0:
             return None, -1, EMPTY
         return bucket("index", shared), src, self._copy(src, limit)
+
+    def _cache(self) -> RollingCache | None:
+        """The rolling cache this request drafts from: the shared one, its client's (None until the client has
+        one), or none."""
+        if not self._use_cache:
+            return None
+        return self.drafter.cache if self._client is None else self.drafter.clients.get(self._client)
 
     def _in_prediction(self, src: int) -> bool:
         return self._prediction[0] <= src < self._prediction[1]
@@ -433,6 +459,9 @@ class DraftSession:
             if self._in_prediction(src):  # a draft never crosses the separator after the prediction
                 self.prediction_accepted += accepted
                 self.prediction_rejected += len(draft) - accepted
+            elif bucket_[0] == "cache":
+                self.cache_drafted += len(draft)
+                self.cache_accepted += accepted
         if seconds is not None:
             self.drafter.observe(1, len(draft), seconds)
         self.index.extend(new)
@@ -473,18 +502,22 @@ class DraftSession:
             hit = np.flatnonzero(np.isin(output, self._eos))
             if hit.size:
                 output = output[: hit[0] + 1]
-        cache = self.drafter.cache
-        if cache is not None and output.size:
-            start = max(0, self._output_start - cache.max_n)
-            context = self.index.tokens[start:self._output_start + output.size]
-            context = context[np.flatnonzero(context < 0)[-1] + 1:] if (context < 0).any() else context
-            cache.add(context.copy())
+        if not self._use_cache or not output.size:
+            return
+        max_n = (self.drafter.cache if self._client is None else self.drafter.clients.config).max_n
+        start = max(0, self._output_start - max_n)  # a little of the prompt, so the first output tokens match too
+        context = self.index.tokens[start:self._output_start + output.size]
+        context = context[np.flatnonzero(context < 0)[-1] + 1:] if (context < 0).any() else context
+        if self._client is None:
+            self.drafter.cache.add(context.copy())
+        else:
+            self.drafter.clients.add(self._client, context.copy())
 
 
 class NoDrafts:
     """A session that never drafts: plain decoding through the same loops (the server's ``"lookup": false``)."""
 
-    prediction_accepted = prediction_rejected = 0
+    prediction_accepted = prediction_rejected = cache_drafted = cache_accepted = 0
 
     def offer(self, limit: int) -> Offer:
         return Offer(EMPTY, 0.0, 0.0)
