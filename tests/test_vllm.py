@@ -17,6 +17,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
+from lookupdec.vllm import CLIENT_ARG, PREDICTION_ARG  # noqa: E402
+
 HERE = Path(__file__).parent
 YAML = """server:
   host: 0.0.0.0
@@ -55,8 +57,8 @@ def model_folder():
         pytest.skip(f"the embedded model is not available: {err}")
 
 
-def _offline(model, spec):
-    job = json.dumps({"model": model, "requests": REQUESTS, "spec": spec})
+def _offline(model, spec, scenarios=None):
+    job = json.dumps({"model": model, "requests": REQUESTS, "spec": spec, "scenarios": scenarios})
     out = subprocess.run([sys.executable, str(HERE / "vllm_offline.py"), job], capture_output=True, text=True,
                          timeout=900, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                                            "VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -70,10 +72,14 @@ def plain(model_folder):
     return _offline(model_folder, None)
 
 
+SPEC = {"method": "custom_class", "model": "lookupdec.vllm.proposer.LookupProposer", "num_speculative_tokens": 16}
+OPEN = {"messages": [{"role": "user", "content": "Write a short poem about the sea."}], "max_tokens": 48}
+
+
 @pytest.fixture(scope="module")
 def lookup(model_folder):
-    spec = {"method": "custom_class", "model": "lookupdec.vllm.proposer.LookupProposer", "num_speculative_tokens": 16}
-    return _offline(model_folder, spec)
+    # After the requests, in the same engine: the rolling cache scoped per client, and seeded sampling.
+    return _offline(model_folder, SPEC, scenarios={"scope": OPEN, "seed": {**REQUESTS[0], "max_tokens": 64}})
 
 
 # vLLM computes a verifying pass (several positions of a row at once) with other kernels than a one-token step, and
@@ -118,21 +124,41 @@ def test_greedy_answers_are_plain_vllms_and_drafts_are_accepted(plain, lookup):
     assert accepted > 60 and drafted >= accepted, lookup["metrics"]
 
 
+def test_with_the_user_scope_a_client_never_drafts_from_another_clients_answer(lookup):
+    # The same open-ended request from alice, bob, then alice again, one at a time (vLLM's own passes, the proposer
+    # in the engine): bob's answer drafts nothing from the rolling cache, where alice's answer is; alice's second
+    # drafts hers. Counted by the proposer's sessions, not timed.
+    alice, bob, again = lookup["scope"]
+    assert alice["text"] == bob["text"] == again["text"] and alice["tokens"] > 20
+    assert alice["cache_drafted"] == 0 and bob["cache_drafted"] == 0
+    assert again["cache_accepted"] > alice["tokens"] // 2
+
+
+def test_seeded_sampling_does_not_reproduce_on_vllms_cpu_build(lookup):
+    # What holds, and what does not (docs/vllm.md, "Seeds"). lookupdec drafts a seeded sampled request's lengths
+    # from its own tokens only (tests/test_vllm_proposer.py), but vLLM 0.32's CPU build does not give a seeded
+    # request under any speculative method the same answer twice: its own n-gram method neither (seen with
+    # prefix caching on and off). If this fails, vLLM now reproduces them: turn it into an equality check and
+    # update the docs.
+    seed = lookup["seed"]
+    assert seed["drafted"] > 0  # the second run did draft
+    assert seed["first"] != seed["second"]
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_folder, tmp_path_factory):
+def _started(args, log_path, env=None):
+    """Start a server process (``args``, with the argument ``"{port}"`` standing for a free port), wait until its
+    /health answers 200, yield its base URL; stop it."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "lookupdec.cli", "serve", "--engine", "vllm", "--port", str(port),
-                             "--max-batch", "4", "--", "--max-model-len", "2048", "--enforce-eager"],
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    args = [str(port) if arg == "{port}" else arg for arg in args]
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
     import httpx
 
     deadline = time.monotonic() + 900
@@ -146,7 +172,7 @@ def server(model_folder, tmp_path_factory):
             except httpx.HTTPError:
                 pass
             time.sleep(2)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         try:
@@ -156,7 +182,134 @@ def server(model_folder, tmp_path_factory):
         log.close()
 
 
-def test_serve_engine_vllm_answers_with_the_prediction_counts(server, plain):
+@pytest.fixture(scope="class")
+def server(model_folder, tmp_path_factory):
+    """``lookupdec serve --engine vllm``: the documented flags (proposer, middleware) and lookupdec's options."""
+    args = [sys.executable, "-m", "lookupdec.cli", "serve", "--engine", "vllm", "--max-batch", "4", "--port",
+            "{port}", "--", "--max-model-len", "2048", "--enforce-eager"]
+    for url in _started(args, tmp_path_factory.mktemp("serve") / "serve.log"):
+        yield url + "/v1"
+
+
+@pytest.fixture(scope="class")
+def bare_server(model_folder, tmp_path_factory):
+    """vLLM's own OpenAI server with lookupdec's proposer and no middleware: what reaches the proposer is whatever
+    a client sends in vllm_xargs. The plugin comes from lookupdec's entry point alone."""
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder,
+            "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+            "--max-num-seqs", "4", "--port", "{port}", "--speculative-config", json.dumps(SPEC)]
+    for url in _started(args, tmp_path_factory.mktemp("bare") / "serve.log",
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}):
+        yield url
+
+
+class TestLookupdecServe:
+    """``lookupdec serve --engine vllm``: the proposer, the plugin and the middleware."""
+
+    def test_answers_with_the_prediction_counts(self, server, plain):
+        _answers_with_the_prediction_counts(server, plain)
+
+    def test_hostile_requests_are_refused_and_the_engine_serves_on(self, server, plain, model_folder):
+        # lookupdec's own vllm_xargs keys are the middleware's to set: refused (400, naming the field), alone or
+        # beside a real prediction; a prediction longer than the context is refused too. Sent together with a
+        # normal request, which gets its answer; another after them still gets plain vLLM's.
+        import httpx
+
+        hostile = [{**_chat(REQUESTS[2]), "vllm_xargs": xargs} for xargs in _hostile_xargs(model_folder)]
+        hostile.append({**_chat(REQUESTS[0]), "prediction": {"type": "content", "content": YAML},
+                        "vllm_xargs": {PREDICTION_ARG: [2147483648]}})
+        hostile.append({**_chat(REQUESTS[0]), "prediction": {"content": "port: 1\n" * 2000}})
+        replies, answer = _beside(server, hostile, _chat(REQUESTS[2], return_token_ids=True))
+        for body, reply in zip(hostile, replies):
+            assert reply.status_code == 400, (body.get("vllm_xargs"), reply.text[:300])
+            error = reply.json()["error"]
+            assert error["param"].startswith(("vllm_xargs.lookupdec_", "prediction")), error
+        _check_plain(answer, plain, 2)
+        reply = httpx.post(f"{server}/chat/completions", json=_chat(REQUESTS[2], return_token_ids=True), timeout=300)
+        _check_plain(reply, plain, 2)
+
+
+class TestBareVllmServe:
+    """vLLM's own server with lookupdec's proposer (through its entry point) and without the middleware: whatever a
+    client puts in vllm_xargs reaches the proposer."""
+
+    def test_hostile_predictions_never_stop_the_engine(self, bare_server, plain, model_folder):
+        import httpx
+
+        hostile = [{**_chat(REQUESTS[0]), "vllm_xargs": xargs} for xargs in _hostile_xargs(model_folder)]
+        replies, answer = _beside(bare_server + "/v1", hostile, _chat(REQUESTS[2], return_token_ids=True))
+        for body, reply in zip(hostile, replies):
+            # Answered (the proposer ignores what is not a prediction), or refused by vLLM's own checks: never a
+            # server error.
+            assert reply.status_code in (200, 400), (body["vllm_xargs"].keys(), reply.status_code, reply.text[:300])
+            if reply.status_code == 200:
+                assert reply.json()["choices"][0]["message"]["content"] == plain["texts"][0]
+        _check_plain(answer, plain, 2)
+        # The proposer still drafts, and a well-formed prediction sent as vllm_xargs is drafted from.
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(model_folder)(YAML, add_special_tokens=False)["input_ids"]
+        before = _accepted(bare_server)
+        reply = httpx.post(f"{bare_server}/v1/chat/completions",
+                           json={**_chat(REQUESTS[0]), "vllm_xargs": {PREDICTION_ARG: ids}}, timeout=300)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain["texts"][0]
+        assert _accepted(bare_server) - before > 40
+        assert httpx.get(f"{bare_server}/health", timeout=10).status_code == 200
+
+
+def _chat(request, **extra) -> dict:
+    return {"model": "smollm2", "messages": request["messages"], "max_tokens": request["max_tokens"],
+            "temperature": 0, **extra}
+
+
+def _hostile_xargs(model_folder) -> list:
+    """What a client may put where the middleware puts a prediction or a client: none of it is one. The first
+    three are the file the request edits with one id out of range: copied, they would be drafted and reach the
+    model's embedding."""
+    from transformers import AutoTokenizer
+
+    vocab = json.loads((Path(model_folder) / "config.json").read_text())["vocab_size"]
+    ids = AutoTokenizer.from_pretrained(model_folder)(YAML, add_special_tokens=False)["input_ids"]
+    copies = [{PREDICTION_ARG: ids[:12] + [bad] + ids[12:]} for bad in (vocab, -3, 2 ** 31)]
+    return copies + [{PREDICTION_ARG: [2147483648]}, {PREDICTION_ARG: [-1, 5]}, {PREDICTION_ARG: [vocab]},
+            {PREDICTION_ARG: [vocab - 1] * 100_000}, {PREDICTION_ARG: "12 13"}, {PREDICTION_ARG: [3.5, 7.25]},
+            {PREDICTION_ARG: [[1, 2]]}, {PREDICTION_ARG: [2 ** 70]}, {PREDICTION_ARG: {"a": 1}},
+            {CLIENT_ARG: 12345}, {CLIENT_ARG: "x" * 100_000, PREDICTION_ARG: [True, False]}]
+
+
+def _beside(base, bodies, normal) -> tuple:
+    """Send ``bodies`` and the ``normal`` request at once; returns the replies to ``bodies`` and ``normal``'s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def post(body):
+        return httpx.post(f"{base}/chat/completions", json=body, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=len(bodies) + 1) as pool:
+        futures = [pool.submit(post, body) for body in bodies + [normal]]
+        replies = [future.result() for future in futures]
+    return replies[:-1], replies[-1]
+
+
+def _check_plain(reply, plain, i) -> None:
+    assert reply.status_code == 200, reply.text[:300]
+    ids = reply.json()["choices"][0]["token_ids"]
+    assert _same_or_near_tie(ids, plain["token_ids"][i], plain["top"][i]), _where(ids, plain["token_ids"][i],
+                                                                                   plain["top"][i])
+
+
+def _accepted(base) -> float:
+    """vLLM's count of accepted drafted tokens, from its /metrics."""
+    import httpx
+
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:spec_decode_num_accepted_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:spec_decode_num_accepted_tokens_total in /metrics")
+
+
+def _answers_with_the_prediction_counts(server, plain):
     import httpx
 
     from lookupdec.serve.protocol import prediction_usage

@@ -5,16 +5,25 @@ handed on as ``vllm_xargs``, and OpenAI's counts in plain and streamed answers. 
 
 import asyncio
 import json
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from lookupdec.serve.protocol import prediction_usage
-from lookupdec.vllm import PREDICTION_ARG
+from lookupdec.vllm import CLIENT_ARG, PREDICTION_ARG
 from lookupdec.vllm.middleware import PredictedOutputs
 
 ANSWER = "name: web\nport: 9090\n"
 PREDICTION = "name: web\nport: 8080\n"
+
+
+@pytest.fixture(autouse=True)
+def _vllm_032(monkeypatch):
+    """A stand-in for vLLM 0.32's package, which this environment does not have (the middleware checks the
+    version it runs beside)."""
+    monkeypatch.setitem(sys.modules, "vllm", ModuleType("vllm"))
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.32.0", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +40,11 @@ class _Routes:
     """vLLM's side: records the body it got; answers ANSWER, plain or as a stream with a usage chunk."""
 
     def __init__(self):
-        self.bodies = []
+        self.bodies, self.raw = [], []
 
     async def __call__(self, scope, receive, send):
         message = await receive()
+        self.raw.append(message["body"])
         body = json.loads(message["body"])
         self.bodies.append(body)
         usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
@@ -53,16 +63,22 @@ class _Routes:
             await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
 
 
-def _call(app, body, tokenizer_path, context=8192):
-    raw = json.dumps(body).encode()
+def _call(app, body, tokenizer_path, context=8192, path="/v1/chat/completions", chunks=1):
+    """Send ``body`` (a dict, or raw bytes) through the middleware to ``app``, in ``chunks`` pieces; returns the
+    status and the body of the answer."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     state = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(tokenizer=tokenizer_path,
                                                                                      max_model_len=context)))
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-             "headers": [(b"content-length", str(len(raw)).encode())], "app": SimpleNamespace(state=state)}
+    scope = {"type": "http", "method": "POST", "path": path,
+             "headers": [(b"content-length", str(len(raw)).encode()), (b"content-type", b"application/json")],
+             "app": SimpleNamespace(state=state)}
     sent = []
+    size = -(-len(raw) // chunks)
+    pieces = [raw[i:i + size] for i in range(0, len(raw), size)] or [b""]
 
     async def receive():
-        return {"type": "http.request", "body": raw, "more_body": False}
+        piece = pieces.pop(0)
+        return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
 
     async def send(message):
         sent.append(message)
@@ -125,3 +141,67 @@ def test_bad_predictions_get_a_400_in_openais_shape_and_never_reach_vllm(tokeniz
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == param and error["code"] == code and error["message"]
     assert error["type"] == "invalid_request_error" and not routes.bodies
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lookupdec's own vllm_xargs keys are the middleware's to set, on every route; a client's user becomes its client
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"vllm_xargs": {PREDICTION_ARG: [2147483648]}}, f"vllm_xargs.{PREDICTION_ARG}"),
+    ("/v1/chat/completions", {"vllm_xargs": {CLIENT_ARG: "alice"}, "prediction": {"type": "content", "content": "x"}},
+     f"vllm_xargs.{CLIENT_ARG}"),
+    ("/v1/completions", {"vllm_xargs": {"lookupdec_future": 1}}, "vllm_xargs.lookupdec_future"),
+    ("/v1/responses", {"vllm_xargs": {CLIENT_ARG: "alice"}}, f"vllm_xargs.{CLIENT_ARG}"),
+    ("/inference/v1/generate", {"sampling_params": {"extra_args": {PREDICTION_ARG: [-1]}}},
+     f"sampling_params.extra_args.{PREDICTION_ARG}"),
+])
+def test_a_client_cannot_set_lookupdecs_own_arguments(tokenizer_path, path, extra, param):
+    routes = _Routes()
+    status, raw = _call(routes, _body(**extra), tokenizer_path, path=path)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error"
+    assert not routes.bodies
+
+
+def test_escaped_or_repeated_keys_do_not_slip_past(tokenizer_path):
+    routes = _Routes()
+    # The underscore written as a JSON escape:
+    escaped = b'{"model": "m", "messages": [], "vllm_xargs": {"lookupdec\\u005fprediction": [1]}}'
+    status, _ = _call(routes, escaped, tokenizer_path)
+    assert status == 400 and not routes.bodies
+    # Python's JSON keeps the last of repeated keys; vLLM is handed the body as the middleware read it, so a parser
+    # that kept the first could not see the hidden one.
+    repeated = b'{"model": "m", "messages": [], "vllm_xargs": {"%s": [7]}, "vllm_xargs": {"a": 1}}' % \
+        PREDICTION_ARG.encode()
+    status, _ = _call(routes, repeated, tokenizer_path)
+    assert status == 200 and routes.bodies == [{"model": "m", "messages": [], "vllm_xargs": {"a": 1}}]
+    assert routes.raw[0].count(b"vllm_xargs") == 1
+
+
+def test_a_body_too_large_to_check_is_refused(tokenizer_path, monkeypatch):
+    from lookupdec.vllm import middleware
+
+    monkeypatch.setattr(middleware, "_MAX_BODY", 1000)
+    routes = _Routes()
+    status, raw = _call(routes, _body(padding="x" * 3000), tokenizer_path, chunks=4)
+    assert status == 413 and json.loads(raw)["error"]["code"] == "request_too_large" and not routes.bodies
+
+
+def test_the_users_name_reaches_the_proposer_as_its_client(tokenizer_path):
+    routes = _Routes()
+    status, _ = _call(routes, _body(user="alice", vllm_xargs={"other": 1}), tokenizer_path)
+    assert status == 200 and routes.bodies[0]["vllm_xargs"] == {"other": 1, CLIENT_ARG: "alice"}
+    status, _ = _call(routes, _body(user="bob", prediction={"content": PREDICTION}), tokenizer_path)
+    assert status == 200 and routes.bodies[1]["vllm_xargs"][CLIENT_ARG] == "bob"
+    assert PREDICTION_ARG in routes.bodies[1]["vllm_xargs"]
+    status, _ = _call(routes, _body(), tokenizer_path)
+    assert status == 200 and "vllm_xargs" not in routes.bodies[2]
+
+
+def test_a_prediction_without_type_is_content(tokenizer_path):
+    routes = _Routes()
+    status, _ = _call(routes, _body(prediction={"content": PREDICTION}), tokenizer_path)
+    assert status == 200 and routes.bodies[0]["vllm_xargs"][PREDICTION_ARG]
+    status, raw = _call(routes, _body(prediction={"type": None, "content": PREDICTION}), tokenizer_path)
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prediction"

@@ -22,7 +22,15 @@ from lookupdec.vllm import proposer as proposer_module
 @pytest.fixture(autouse=True)
 def _no_vllm(monkeypatch):
     monkeypatch.setattr(_internals, "check_version", lambda: None)
-    monkeypatch.setattr(_internals, "bind_runner", lambda: None)
+    monkeypatch.setattr(_internals, "hook_installed", lambda: True)  # what the plugin does in vLLM's processes
+
+
+def _config(k=8, max_len=512, vocab=None, options=None):
+    """What the proposer reads of vLLM's config (VllmConfig's attributes of the same names)."""
+    vocab = vocab or 50_000
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                           model_config=SimpleNamespace(max_model_len=max_len, get_vocab_size=lambda: vocab),
+                           additional_config={} if options is None else {"lookupdec": options})
 
 
 class _View:
@@ -41,16 +49,15 @@ class _View:
     def request(self, req_id):
         r = self.engine.requests[req_id]
         return _internals.RequestInfo(req_id, r["prompt_len"], frozenset({1}), r.get("sampling_max", r["max_tokens"]),
-                                      r["prediction"])
+                                      r["prediction"], r.get("client"), r.get("seeded", False))
 
 
 class _Engine:
     """vLLM's part, greedy: ``rows[i]`` is the request id in row i (None: an empty row)."""
 
-    def __init__(self, model, k=8, drafter=None, max_len=512):
+    def __init__(self, model, k=8, drafter=None, max_len=512, options=None):
         self.model = model
-        config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                                 model_config=SimpleNamespace(max_model_len=max_len))
+        config = _config(k, max_len, model.config.vocab_size, options)
         self.proposer = proposer_module.LookupProposer(config, drafter=drafter)
         self.tokens = np.zeros((4, max_len), dtype=np.int64)  # token_ids_cpu
         self.counts = np.zeros(4, dtype=np.int64)  # num_tokens_no_spec
@@ -59,10 +66,11 @@ class _Engine:
         self.drafts: dict = {}
         self.scheduled = 0
         self.drafted = self.accepted = 0
+        self.lengths: dict = {}  # request id -> its draft length at every step
 
-    def add(self, req_id, prompt, max_tokens, prediction=None):
+    def add(self, req_id, prompt, max_tokens, prediction=None, **fields):
         self.requests[req_id] = {"prompt": prompt, "prompt_len": len(prompt), "max_tokens": max_tokens,
-                                 "out": [], "prediction": prediction}
+                                 "out": [], "prediction": prediction, **fields}
         self.rows.append(req_id)
 
     def _row_tokens(self, req_id):
@@ -103,6 +111,7 @@ class _Engine:
         drafts = self.proposer.propose(sampled, self.counts[: len(self.rows)].copy(), self.tokens)
         for req_id, draft in zip(self.rows, drafts):
             self.drafts[req_id] = list(draft)
+            self.lengths.setdefault(req_id, []).append(len(draft))
         done = [req_id for req_id in self.rows if self._done(req_id)]
         for req_id in done:  # vLLM drops finished requests before its next step
             self.rows.remove(req_id)
@@ -226,11 +235,162 @@ def test_a_prediction_is_drafted_from(tiny_model):
 
 def test_no_runner_no_drafts(tiny_model):
     # Without the runner's view (an untested vLLM runner) the proposer drafts nothing rather than guess rows.
-    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=8),
-                             model_config=SimpleNamespace(max_model_len=512))
-    proposer = proposer_module.LookupProposer(config)
+    proposer = proposer_module.LookupProposer(_config())
     tokens = np.tile(np.arange(50), (2, 4))
     assert proposer.propose([[3], [4]], np.array([100, 100]), tokens) == [[], []]
+
+
+def test_without_the_plugins_hook_the_proposer_refuses_to_start(monkeypatch):
+    # Loudly, at start-up: drafting nothing for ever would look like a slow model.
+    monkeypatch.setattr(_internals, "hook_installed", lambda: False)
+    with pytest.raises(RuntimeError, match="plugin did not run"):
+        proposer_module.LookupProposer(_config())
+
+
+@pytest.mark.parametrize("options, message", [({"cache_scope": "tenant"}, "cache_scope must be one of"),
+                                              ({"max_slowdown": -1}, "max_slowdown must be"),
+                                              ({"max_draft": 3}, "unknown lookupdec option"),
+                                              ("user", "must be an object")])
+def test_bad_options_are_refused_at_start_up(options, message):
+    with pytest.raises(ValueError, match=message):
+        proposer_module.LookupProposer(_config(options=options))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Nothing a request carries can stop the engine: hostile predictions are ignored, faults cost only drafts
+
+HOSTILE = {"too large": [2 ** 31], "negative": [-1, 5], "past the vocabulary": "vocab", "a float": [3.0],
+           "a bool": [True], "a string": "12 13", "nested": [[1, 2]], "too long": "long", "a dict": {"a": 1}}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_hostile_prediction_is_ignored_and_the_answer_is_plain(tiny_model, kind, caplog):
+    prompts = [p[0].tolist() for p in _prompts(tiny_model, count=2, seed=34)]
+    prediction = HOSTILE[kind]
+    if prediction == "vocab":
+        prediction = [tiny_model.config.vocab_size]
+    elif prediction == "long":
+        prediction = [5] * 513  # past max_len
+    engine = _Engine(tiny_model)
+    engine.add("bad", prompts[0], 20, prediction=prediction)
+    engine.add("good", prompts[1], 20)
+    outputs = _drive(engine)
+    assert outputs["bad"] == _greedy(tiny_model, prompts[0], 20)
+    assert outputs["good"] == _greedy(tiny_model, prompts[1], 20)
+    assert engine.accepted > 0  # the prompts still copy: only the prediction was dropped
+    assert [r.getMessage() for r in caplog.records if "ignoring the prediction" in r.getMessage()] != []
+
+
+def test_a_fault_while_drafting_one_row_costs_that_row_its_drafts_only(tiny_model, caplog):
+    prompts = [p[0].tolist() for p in _prompts(tiny_model, count=2, seed=35)]
+    engine = _Engine(tiny_model)
+    real_start = engine.proposer.drafter.start
+
+    def start(prompt, **kwargs):
+        session = real_start(prompt, **kwargs)
+        if len(prompt) == len(prompts[0]) and list(prompt) == prompts[0]:
+            def offer(limit):
+                raise IndexError("a bug in our code")
+            session.offer = offer
+        return session
+
+    engine.proposer.drafter.start = start
+    engine.add("broken", prompts[0], 25)
+    engine.add("fine", prompts[1], 25)
+    outputs = _drive(engine)
+    assert outputs["broken"] == _greedy(tiny_model, prompts[0], 25)
+    assert outputs["fine"] == _greedy(tiny_model, prompts[1], 25)
+    assert set(engine.requests) == set()
+    assert not any(engine.lengths["broken"]) and any(engine.lengths["fine"])
+    faults = [r for r in caplog.records if "drafting for request broken failed" in r.getMessage()]
+    assert len(faults) == 1  # logged once, not once a step
+
+
+def test_a_fault_outside_any_row_costs_the_step_its_drafts_and_never_propagates(tiny_model, caplog):
+    engine = _Engine(tiny_model)
+    prompt = _prompts(tiny_model, count=1, seed=36)[0][0].tolist()
+    engine.add("a", prompt, 20)
+
+    class Broken(_View):
+        def req_ids(self):
+            raise KeyError("vLLM moved something")
+
+    for _ in range(3):
+        engine.proposer.bind(Broken(engine))
+        assert engine.proposer.propose([[5]], np.array([len(prompt)]), engine.tokens) == [[]]
+    assert len([r for r in caplog.records if "outside any one request" in r.getMessage()]) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Options: whose earlier answers a request drafts from; the bound on a step's slowdown; seeded sampling
+
+
+def _random_prompt(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (40,), generator=generator).tolist()
+
+
+def _sessions(engine):
+    """Record every session the proposer's drafter starts, by prompt length order of creation."""
+    sessions = []
+    real = engine.proposer.drafter.start
+
+    def start(prompt, **kwargs):
+        sessions.append(real(prompt, **kwargs))
+        return sessions[-1]
+
+    engine.proposer.drafter.start = start
+    return sessions
+
+
+@pytest.mark.parametrize("scope", ["user", "shared", "off"])
+def test_with_the_user_scope_a_client_never_drafts_from_another_clients_answer(tiny_model, scope):
+    prompt = _random_prompt(tiny_model, 37)  # nothing to copy from itself: the earlier answer is the draft
+    engine = _Engine(tiny_model, options={"cache_scope": scope})
+    sessions = _sessions(engine)
+    for req_id, client in (("first", "alice"), ("other", "bob"), ("again", "alice")):
+        engine.add(req_id, prompt, 30, client=client)  # one after the other: each finds the earlier answers
+        assert _drive(engine)[req_id] == _greedy(tiny_model, prompt, 30)
+    first, other, again = sessions
+    assert first.cache_drafted == 0
+    if scope == "user":
+        assert other.cache_drafted == 0 and again.cache_accepted > 0  # alice's answer is alice's only
+    elif scope == "shared":
+        assert other.cache_accepted > 0 and again.cache_accepted > 0
+    else:
+        assert other.cache_drafted == again.cache_drafted == 0 and engine.proposer.drafter.cache is None
+
+
+def test_max_slowdown_bounds_what_a_step_may_cost(tiny_model):
+    prompt = _prompts(tiny_model, count=1, seed=38)[0][0].tolist()
+    drafted = {}
+    for bound in (None, 0.0):
+        engine = _Engine(tiny_model, options={"max_slowdown": bound})
+        engine.add("a", prompt, 30)
+        assert _drive(engine)["a"] == _greedy(tiny_model, prompt, 30)
+        drafted[bound] = engine.drafted
+    assert drafted[None] > 0 and drafted[0.0] == 0  # no step may take longer than a plain one: no drafts
+
+
+def test_a_seeded_sampled_request_drafts_the_same_whatever_ran_before(tiny_model):
+    # vLLM draws a seeded request's random numbers per drafted token, so its answer depends on its draft lengths:
+    # they must depend on its own tokens only, not on the shared estimates, the rolling cache or the clock.
+    prompt = _random_prompt(tiny_model, 39)
+    lengths = {}
+    for history in ("fresh", "busy"):
+        engine = _Engine(tiny_model)
+        if history == "busy":  # an earlier answer to the same prompt in the cache, a fitted cost line
+            engine.add("earlier", prompt, 30)
+            _drive(engine)
+            for n in (1, 9, 17, 33) * 4:
+                engine.proposer.cost.observe(n, 0.01 + 0.02 * n)
+        for seeded in (True, False):
+            name = f"{history}-{seeded}"
+            engine.add(name, prompt, 30, seeded=seeded)
+            assert _drive(engine)[name] == _greedy(tiny_model, prompt, 30)
+            lengths[history, seeded] = engine.lengths[name]
+    assert lengths["fresh", True] == lengths["busy", True]
+    assert lengths["fresh", False] != lengths["busy", False]  # what the seeded path is kept from
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,19 +1,32 @@
 """Run vLLM offline on a few chat requests and print the answers as JSON; ``tests/test_vllm.py`` runs it in a
 process of its own per engine configuration (vLLM's engine does not come back cleanly within one process).
 
-    python tests/vllm_offline.py '{"model": FOLDER, "requests": [...], "spec": {...} or null}'
+    python tests/vllm_offline.py '{"model": FOLDER, "requests": [...], "spec": {...} or null, "scenarios": {...}}'
+
+With ``scenarios`` (lookupdec's proposer only) vLLM's engine runs in this process, so the proposer's sessions can be
+counted, and after the requests two scenarios run one request at a time:
+
+- ``scope``: the same open-ended request from clients alice, bob, alice again (``vllm_xargs`` client, as the
+  middleware sets it from OpenAI's ``user``): the tokens each drafted and had accepted from a rolling cache;
+- ``seed``: a sampled request with a seed, then the same prompt unseeded (its answer joins the cache), then the
+  seeded one again: both seeded answers, and the tokens drafted for the second.
 """
 
 import json
+import os
 import sys
 
 
 def main() -> None:
     job = json.loads(sys.argv[1])
+    scenarios = job.get("scenarios")
+    if scenarios:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine, and so the proposer, in this process
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=job["model"], dtype="float32", max_model_len=2048, max_num_seqs=4, seed=0,
               speculative_config=job.get("spec"), disable_log_stats=False, enforce_eager=True)
+    sessions = _recorded_sessions() if scenarios else []
     tokenizer = llm.get_tokenizer()
     conversations, params = [], []
     for request in job["requests"]:
@@ -29,16 +42,70 @@ def main() -> None:
     # plain decoding may round differently between batch shapes, so each is compared with its own kind.
     alone = [llm.chat([conversation], [param], use_tqdm=False)[0] for conversation, param in zip(conversations, params)]
     batched = llm.chat(conversations, params, use_tqdm=False)
-    metrics = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode") and hasattr(metric, "value"):
-            metrics[metric.name] = metric.value
-    print("RESULT " + json.dumps({"token_ids": [list(o.outputs[0].token_ids) for o in alone],
-                                  "texts": [o.outputs[0].text for o in alone],
-                                  "top": [_top(o) for o in alone],
-                                  "batched_token_ids": [list(o.outputs[0].token_ids) for o in batched],
-                                  "batched_top": [_top(o) for o in batched],
-                                  "metrics": metrics}))
+    result = {"token_ids": [list(o.outputs[0].token_ids) for o in alone],
+              "texts": [o.outputs[0].text for o in alone],
+              "top": [_top(o) for o in alone],
+              "batched_token_ids": [list(o.outputs[0].token_ids) for o in batched],
+              "batched_top": [_top(o) for o in batched],
+              "metrics": _spec_metrics(llm)}
+    if scenarios:
+        result["scope"] = _scope(llm, sessions, scenarios["scope"])
+        result["seed"] = _seed(llm, scenarios["seed"])
+    print("RESULT " + json.dumps(result))
+
+
+def _recorded_sessions() -> list:
+    """Every drafting session the proposer starts from now on, in order. (Imported only once the engine is up:
+    vLLM's worker start-up scans every module loaded in its process, and trips over numba's, which lookupdec's
+    drafter loads.)"""
+    from lookupdec.vllm.proposer import LookupProposer
+
+    sessions = []
+    start = LookupProposer._start
+
+    def recording(self, info, tokens, n):
+        tracked = start(self, info, tokens, n)
+        sessions.append(tracked.session)
+        return tracked
+
+    LookupProposer._start = recording
+    return sessions
+
+
+def _spec_metrics(llm) -> dict:
+    return {metric.name: metric.value for metric in llm.get_metrics()
+            if metric.name.startswith("vllm:spec_decode") and hasattr(metric, "value")}
+
+
+def _scope(llm, sessions, request) -> list:
+    from vllm import SamplingParams
+
+    from lookupdec.vllm import CLIENT_ARG
+
+    out = []
+    for client in ("alice", "bob", "alice"):
+        before = len(sessions)
+        param = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], extra_args={CLIENT_ARG: client})
+        answer = llm.chat([request["messages"]], [param], use_tqdm=False)[0]
+        session = sessions[before]  # this request's, started after the one before had finished
+        out.append({"client": client, "tokens": len(answer.outputs[0].token_ids), "text": answer.outputs[0].text,
+                    "cache_drafted": session.cache_drafted, "cache_accepted": session.cache_accepted})
+    return out
+
+
+def _seed(llm, request) -> dict:
+    from vllm import SamplingParams
+
+    def run(seed):
+        param = SamplingParams(temperature=1.0, max_tokens=request["max_tokens"], seed=seed)
+        return list(llm.chat([request["messages"]], [param], use_tqdm=False)[0].outputs[0].token_ids)
+
+    first = run(7)
+    run(None)  # an unseeded answer to the same prompt: the rolling cache now holds it, the cost fit moved on
+    drafted = _spec_metrics(llm).get("vllm:spec_decode_num_draft_tokens", 0)
+    second = run(7)
+    return {"first": first, "second": second,
+            "drafted": _spec_metrics(llm).get("vllm:spec_decode_num_draft_tokens", 0) - drafted}
 
 
 def _top(output) -> list:

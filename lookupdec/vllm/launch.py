@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..errors import LookupdecError
+from . import OPTIONS_KEY, ProposerOptions
 
 # The longest draft vLLM reserves room for; the proposer's cost model picks each row's length up to it.
 MAX_DRAFT = 16
@@ -38,6 +39,7 @@ class VllmOptions:
     api_key: str | None = None
     dtype: str = "default"
     max_draft: int = MAX_DRAFT
+    proposer: ProposerOptions = field(default_factory=ProposerOptions)  # sent in --additional-config
     extra: list = field(default_factory=list)  # vLLM's own arguments, passed as given
 
 
@@ -64,7 +66,38 @@ def command(options: VllmOptions, model_folder: str, served_name: str, cpu: bool
             "--middleware", "lookupdec.vllm.middleware.PredictedOutputs"]
     if options.api_key:
         args += ["--api-key", options.api_key]
-    return args + list(options.extra)
+    return args + ["--additional-config", json.dumps(additional_config(options))] + \
+        [arg for i, arg in enumerate(options.extra) if not _is_additional_config(options.extra, i)]
+
+
+def _is_additional_config(extra: list, i: int) -> bool:
+    """Whether ``extra[i]`` is vLLM's ``--additional-config`` option or its value."""
+    arg = extra[i]
+    return arg == "--additional-config" or arg.startswith("--additional-config=") or \
+        (i > 0 and extra[i - 1] == "--additional-config")
+
+
+def additional_config(options: VllmOptions) -> dict:
+    """vLLM's ``--additional-config``: the one given after ``--``, if any, with lookupdec's options added."""
+    given = {}
+    for i, arg in enumerate(options.extra):
+        if arg.startswith("--additional-config="):
+            raw = arg.split("=", 1)[1]
+        elif arg == "--additional-config" and i + 1 < len(options.extra):
+            raw = options.extra[i + 1]
+        else:
+            continue
+        try:
+            given = json.loads(raw)
+        except ValueError:
+            raise LaunchError(f"--additional-config is not JSON: {raw[:60]!r}") from None
+        if not isinstance(given, dict):
+            raise LaunchError(f"--additional-config must be a JSON object, got {raw[:60]!r}")
+    if OPTIONS_KEY in given:
+        raise LaunchError(f"set lookupdec's options with lookupdec serve's own options (--cache-scope), not in "
+                          f"--additional-config's {OPTIONS_KEY!r}")
+    proposer = options.proposer
+    return {**given, OPTIONS_KEY: {"cache_scope": proposer.cache_scope, "max_slowdown": proposer.max_slowdown}}
 
 
 def environment(cpu: bool, base: dict | None = None) -> dict:

@@ -3,19 +3,26 @@ lookupdec.vllm.middleware.PredictedOutputs``.
 
 vLLM's OpenAI server accepts ``prediction`` and drops it. This ASGI middleware, in front of vLLM's routes:
 
-- checks the field (``{"type": "content", "content": <string or text parts>}``; a bad one is a 400 in OpenAI's
-  error shape, as is ``n`` above 1 with a prediction, which OpenAI refuses too), tokenizes the prediction with the
-  served model's tokenizer, and hands the ids to the request's proposer session as ``vllm_xargs``
-  (:data:`lookupdec.vllm.PREDICTION_ARG`); a prediction longer than the model's context (or, before tokenizing,
-  16 characters per context token) is a 400 ``prediction_too_large``, as on ``lookupdec serve``;
+- checks the field (``{"type": "content", "content": <string or text parts>}``; ``type`` may be left out, as
+  Relace's API allows; a bad one is a 400 in OpenAI's error shape, as is ``n`` above 1 with a prediction, which
+  OpenAI refuses too), tokenizes the prediction with the served model's tokenizer, and hands the ids to the
+  request's proposer session as ``vllm_xargs`` (:data:`lookupdec.vllm.PREDICTION_ARG`); a prediction longer than
+  the model's context (or, before tokenizing, 16 characters per context token) is a 400 ``prediction_too_large``,
+  as on ``lookupdec serve``;
+- hands a request's OpenAI ``user`` to the proposer as its client (:data:`lookupdec.vllm.CLIENT_ARG`), which
+  scopes the rolling cache of earlier answers (``cache_scope``);
+- refuses (400, naming the field) a request that sets a ``vllm_xargs`` key lookupdec owns (``lookupdec_*``)
+  itself, in ``vllm_xargs`` or in ``sampling_params.extra_args`` (vLLM's token-in route), on every JSON route,
+  with or without a prediction: only the middleware sets them. Every JSON body it read is handed on as it parsed
+  it, so vLLM reads exactly what was checked (JSON with duplicate keys cannot carry a second value past it);
 - fills ``usage.completion_tokens_details.accepted_prediction_tokens`` / ``rejected_prediction_tokens`` in the
   response, in OpenAI's meaning (the prediction's tokens that appear in the answer, matched in order:
   :func:`lookupdec.serve.protocol.prediction_usage`, on the answer's text tokenized again), in a plain response
   and in a stream's usage chunk (``stream_options: {"include_usage": true}``).
 
-Requests without ``prediction`` pass through untouched. The proposer must be lookupdec's
+Requests without ``prediction`` are otherwise vLLM's own. The proposer must be lookupdec's
 (:class:`~lookupdec.vllm.proposer.LookupProposer`) for the prediction to be drafted from; the counts are filled
-either way.
+either way. The middleware refuses to start on a vLLM lookupdec does not support.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import json
 import threading
 
 from ..serve.protocol import prediction_usage
-from . import PREDICTION_ARG
+from . import CLIENT_ARG, OWNED_PREFIX, PREDICTION_ARG
 
 _PATHS = ("/v1/chat/completions", "/v1/completions")
 _MAX_BODY = 64 * 1024 * 1024  # vLLM's own limits apply after this; this bounds what the middleware buffers
@@ -42,8 +49,8 @@ def _prediction_text(body: dict) -> str | None:
     prediction = body.get("prediction")
     if prediction is None:
         return None
-    if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type",
-                                                                                                     "content"}:
+    if not isinstance(prediction, dict) or prediction.get("type", "content") != "content" \
+            or set(prediction) - {"type", "content"}:
         raise _Refused('prediction must be {"type": "content", "content": ...}', "prediction")
     content = prediction.get("content")
     if isinstance(content, list) and content and all(
@@ -64,6 +71,22 @@ def _prediction_text(body: dict) -> str | None:
     if xargs is not None and not isinstance(xargs, dict):
         raise _Refused("vllm_xargs must be an object", "vllm_xargs")
     return content
+
+
+def _owned_key(body: dict) -> str | None:
+    """The first field of ``body`` that sets a ``vllm_xargs`` key lookupdec owns (dotted, for the error's
+    ``param``), or None. Looked for wherever vLLM takes extra arguments: ``vllm_xargs`` (the OpenAI routes and
+    Anthropic's) and ``sampling_params.extra_args`` (vLLM's token-in route)."""
+    places = [("vllm_xargs", body.get("vllm_xargs"))]
+    params = body.get("sampling_params")
+    if isinstance(params, dict):
+        places.append(("sampling_params.extra_args", params.get("extra_args")))
+    for name, args in places:
+        if isinstance(args, dict):
+            for key in args:
+                if isinstance(key, str) and key.startswith(OWNED_PREFIX):
+                    return f"{name}.{key}"
+    return None
 
 
 class _Tokenizers:
@@ -97,29 +120,47 @@ class PredictedOutputs:
     """The ASGI middleware (a class, as vLLM's ``--middleware`` takes it)."""
 
     def __init__(self, app):
+        from . import _internals
+
+        _internals.check_version()  # a vLLM lookupdec does not support: the server does not start
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or \
-                not scope.get("path", "").rstrip("/").endswith(_PATHS):
+        if scope["type"] != "http" or scope.get("method") != "POST" or not _json(scope):
             await self.app(scope, receive, send)
             return
         raw, more = await _read(receive)
-        if more:  # too large for us to look into: vLLM answers it as it would
-            await self.app(scope, _replay(raw, receive), send)
+        if more:  # it could set lookupdec's arguments unseen: refused, as vLLM would refuse what it cannot parse
+            await _error(send, 413, f"the request body is larger than {_MAX_BODY} bytes", None, "request_too_large")
             return
         import anyio
 
         try:
             body = await anyio.to_thread.run_sync(json.loads, raw)  # off the event loop: bodies can be megabytes
-            text = _prediction_text(body) if isinstance(body, dict) else None
+        except (ValueError, RecursionError):  # not JSON (or nested past the parser): vLLM's own error
+            body = None
+        if not isinstance(body, dict):
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        owned = _owned_key(body)
+        if owned is not None:
+            await _error(send, 400, f"{owned} is set by lookupdec's middleware only: send OpenAI's prediction "
+                                    "field instead", owned)
+            return
+        completion = scope.get("path", "").rstrip("/").endswith(_PATHS)
+        try:
+            text = _prediction_text(body) if completion else None
         except _Refused as err:
             await _error(send, 400, str(err), err.param)
             return
-        except (ValueError, RecursionError):  # not JSON (or nested past the parser): vLLM's own error
-            text = None
+        user = body.get("user") if completion else None
+        if isinstance(user, str) and user and isinstance(body.get("vllm_xargs", {}), (dict, type(None))):
+            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), CLIENT_ARG: user}
         if text is None:
-            await self.app(scope, _replay(raw, receive), send)
+            # Handed on as parsed (and checked): JSON that a laxer or stricter parser reads otherwise (duplicate
+            # keys) cannot carry past the check what the check did not see.
+            raw = json.dumps(body).encode()
+            await self.app(_with_body(scope, raw), _replay(raw, receive), send)
             return
         tokenizer, context = await anyio.to_thread.run_sync(_TOKENIZERS.get, scope["app"])
         # What a prediction may cost is bounded before tokenizing (its characters) and after (its tokens): it is
@@ -136,13 +177,26 @@ class PredictedOutputs:
         body.pop("prediction")
         body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), PREDICTION_ARG: prediction}
         raw = json.dumps(body).encode()
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        scope = {**scope, "headers": headers + [(b"content-length", str(len(raw)).encode())]}
+        scope = _with_body(scope, raw)
         chat = scope["path"].rstrip("/").endswith("/chat/completions")
         if body.get("stream"):
             await self.app(scope, _replay(raw, receive), _StreamCounts(send, tokenizer, prediction, chat).send)
         else:
             await self.app(scope, _replay(raw, receive), _WholeCounts(send, tokenizer, prediction, chat).send)
+
+
+def _json(scope) -> bool:
+    """Whether the request's body is JSON (or says nothing of its type, as some clients do)."""
+    for key, value in scope.get("headers") or ():
+        if key.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower() in (b"application/json", b"")
+    return True
+
+
+def _with_body(scope, raw: bytes) -> dict:
+    """``scope`` with its content length set for the body ``raw``."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    return {**scope, "headers": headers + [(b"content-length", str(len(raw)).encode())]}
 
 
 async def _read(receive) -> tuple:

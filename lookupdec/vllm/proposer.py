@@ -14,17 +14,31 @@ What differs from vLLM's own ``ngram`` method:
   between two ``propose`` calls is one step). Nothing is drafted where nothing pays, so open-ended text runs at
   plain speed.
 - **Drafting state per request**, kept across steps by request id while vLLM reorders, preempts and replaces
-  rows: a :class:`~lookupdec.drafter.DraftSession` with its incremental n-gram index and alignment cursor, the
-  engine-wide rolling cache of earlier outputs, and the request's prediction (``vllm_xargs``
-  ``lookupdec_prediction``: token ids).
+  rows: a :class:`~lookupdec.drafter.DraftSession` with its incremental n-gram index and alignment cursor, a
+  rolling cache of earlier outputs (shared, the client's own, or none: :class:`~lookupdec.vllm.ProposerOptions`),
+  and the request's prediction (``vllm_xargs`` ``lookupdec_prediction``: token ids).
+
+**Nothing a request carries can stop the engine.** Whatever reaches the proposer from a client is checked here,
+whether or not lookupdec's middleware ran: a prediction must be a list of at most ``max_model_len`` token ids, each
+in ``[0, vocabulary size)``, else it is ignored (logged once per request). Any exception raised while drafting
+one row costs that row its drafts (logged once per request, the request goes on without drafts); one raised
+outside any row costs the step its drafts. None propagates into vLLM's step.
+
+**Seeded sampling.** vLLM's rejection sampler draws a seeded request's random numbers from its own generator, one
+per drafted token, so its answer depends on its draft lengths. For such a request the proposer drafts from its
+own prompt, output and prediction only, with lengths priced by a fixed cost line and its own acceptance record:
+lengths that depend on nothing but its tokens, so a seed gives the same answer however loaded the engine is and
+whatever others generated.
 
 The request ids come from the model runner (:mod:`lookupdec.vllm._internals`), which vLLM does not pass to a
-custom proposer. Without them (an untested runner) the proposer drafts nothing rather than guess.
+custom proposer; the plugin installs the hook that supplies them, and the proposer refuses to start without it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -32,37 +46,67 @@ from ..drafter import Drafter, DrafterConfig
 from ..policy import TokenCost, token_lengths
 from . import _internals
 
+_log = logging.getLogger(__name__)
+
 # A step whose gap since the last one is this many times the fitted time is not a step (the engine idled, or a
 # request's prefill ran alone between two drafting steps): it is not fed to the cost fit.
 _OUTLIER = 4.0
 
 
 class _Tracked:
-    """One request's drafting state: its session and how many of its tokens the session has seen."""
+    """One request's drafting state: its session, how many of its tokens the session has seen, what vLLM holds
+    of it, and for a seeded sampled request the drafter of its own (no shared estimates, no cache)."""
 
-    __slots__ = ("session", "seen", "info")
+    __slots__ = ("session", "seen", "info", "own")
 
-    def __init__(self, session, seen, info):
-        self.session, self.seen, self.info = session, seen, info
+    def __init__(self, session, seen, info, own):
+        self.session, self.seen, self.info, self.own = session, seen, info, own
+
+
+def checked_prediction(raw, vocab_size: int, max_len: int) -> tuple:
+    """``(token ids as int32, None)`` for a well-formed prediction, ``(None, why)`` for one that is not (a list of
+    at most ``max_len`` ints, each in ``[0, vocab_size)``), ``(None, None)`` when there is none."""
+    if raw is None:
+        return None, None
+    if not isinstance(raw, list):
+        return None, f"not a list of token ids but {type(raw).__name__}"
+    if len(raw) > max_len:
+        return None, f"{len(raw)} token ids, more than the model's context ({max_len})"
+    for token in raw:
+        if type(token) is not int or not 0 <= token < vocab_size:
+            return None, f"{str(token)[:24]!r} is not a token id in [0, {vocab_size})"
+    return np.asarray(raw, dtype=np.int32), None
 
 
 class LookupProposer:
     """vLLM ``custom_class`` proposer: ``--speculative-config '{"method": "custom_class", "model":
-    "lookupdec.vllm.proposer.LookupProposer", "num_speculative_tokens": 16}'``.
+    "lookupdec.vllm.proposer.LookupProposer", "num_speculative_tokens": 16}'``; options in
+    ``--additional-config '{"lookupdec": {...}}'`` (:class:`~lookupdec.vllm.ProposerOptions`).
 
     ``num_speculative_tokens`` is the longest draft; the cost model picks each row's length up to it."""
 
     def __init__(self, vllm_config, drafter: Drafter | None = None):
         _internals.check_version()
+        if not _internals.hook_installed():
+            raise RuntimeError("lookupdec's vLLM plugin did not run in this process, so the proposer cannot tell "
+                               "which request a row belongs to: install lookupdec into vLLM's environment (its "
+                               "vllm.general_plugins entry point 'lookupdec'), and if VLLM_PLUGINS is set, name "
+                               "lookupdec in it")
+        self.options = _internals.options(vllm_config)
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.drafter = drafter or Drafter(DrafterConfig(max_draft=max(1, min(self.k, 256)), calibrate=False))
+        self.vocab_size = _internals.vocab_size(vllm_config)
+        if drafter is None:
+            drafter = Drafter(DrafterConfig(max_draft=max(1, min(self.k, 256)), calibrate=False,
+                                            use_cache=self.options.cache_scope != "off"))
+        self.drafter = drafter
         self.cost = TokenCost()
         self._requests: dict = {}  # req_id -> _Tracked
+        self._faulted: set = set()  # requests that draft no more: drafting for them raised
         self._view = None
         self._last_end = None  # when the last propose returned
-        _internals.bind_runner()
+        self._step_fault_logged = False
 
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load: the drafts are copied (vLLM's CPU runner calls this on every drafter)."""
@@ -77,46 +121,81 @@ class LookupProposer:
                 slot_mappings=None, **_) -> list:
         """``sampled_token_ids[row]``: the tokens the step just committed for that row (empty while its prompt is
         prefilled); ``num_tokens_no_spec[row]``: its tokens now; ``token_ids_cpu[row, :n]``: those tokens.
-        Returns each row's draft, a list of at most ``num_speculative_tokens`` token ids."""
+        Returns each row's draft, a list of at most ``num_speculative_tokens`` token ids. Never raises."""
         start = time.perf_counter()
         view, self._view = self._view, None
         rows = len(sampled_token_ids)
         drafts = [[] for _ in range(rows)]
-        if view is None or rows == 0:
-            self._last_end = time.perf_counter()
-            return drafts
-        self._observe(view, start)
-        req_ids = view.req_ids()[:rows]
-        self._forget(view.live())
-        sessions, limits, where = [], [], []
-        for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
-            if req_id is None or not sampled:
-                continue
-            n = int(num_tokens_no_spec[row])
-            tracked = self._track(view, req_id, token_ids_cpu[row], n)
-            limit = min(self.k, self.max_model_len - n - 1)
-            if tracked.info.max_tokens is not None:
-                limit = min(limit, tracked.info.max_tokens - (n - tracked.info.prompt_len) - 1)
-            if limit <= 0:
-                continue
-            sessions.append(tracked.session)
-            limits.append(limit)
-            where.append(row)
-        if sessions:
-            offers = [session.offer(limit) for session, limit in zip(sessions, limits)]
-            base, per_token = self.cost.line()
-            cfg = self.drafter.drafter_config
-            # No bound on what one row pays for the others' drafts (DrafterConfig.batch_slowdown): here a drafted
-            # token costs the other rows only its marginal time, not a padded width, and with the bound a batch of
-            # 8 on this CPU drafted 3-4 tokens a pass in all: vLLM's n-gram method outran it at 4 and 8 rows.
-            lengths = token_lengths(offers, base, per_token, others=rows - len(sessions), margin=cfg.margin()) \
-                if cfg.adaptive else [o.tokens.size for o in offers]
-            for row, session, length in zip(where, sessions, lengths):
-                drafts[row] = session.take(length).tolist()
+        try:
+            if view is not None and rows:
+                self._observe(view, start)
+                self._draft(view, drafts, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception:
+            drafts = [[] for _ in range(rows)]
+            if not self._step_fault_logged:  # once: a fault outside any row would repeat every step
+                self._step_fault_logged = True
+                _log.exception("lookupdec's proposer failed outside any one request; this step drafts nothing "
+                               "(logged once)")
         self._last_end = time.perf_counter()
         return drafts
 
+    def _draft(self, view, drafts, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> None:
+        rows = len(drafts)
+        req_ids = view.req_ids()[:rows]
+        self._forget(view.live())
+        shared, own = [], []  # (row, req_id, session, offer): priced together / each alone
+        for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
+            if req_id is None or not sampled or req_id in self._faulted:
+                continue
+            try:
+                n = int(num_tokens_no_spec[row])
+                tracked = self._track(view, req_id, token_ids_cpu[row], n)
+                limit = min(self.k, self.max_model_len - n - 1)
+                if tracked.info.max_tokens is not None:
+                    limit = min(limit, tracked.info.max_tokens - (n - tracked.info.prompt_len) - 1)
+                if limit <= 0:
+                    continue
+                entry = (row, req_id, tracked.session, tracked.session.offer(limit))
+            except Exception as err:
+                self._fault(req_id, err)
+                continue
+            (own if tracked.own is not None else shared).append(entry)
+        lengths = self._lengths([entry[3] for entry in shared], others=rows - len(shared))
+        chosen = list(zip(shared, lengths)) + [(entry, self._own_length(entry[3])) for entry in own]
+        for (row, req_id, session, _), length in chosen:
+            try:
+                drafts[row] = session.take(length).tolist()
+            except Exception as err:
+                self._fault(req_id, err)
+
+    def _lengths(self, offers: list, others: int) -> list:
+        """The rows' lengths, priced together on the fitted cost line; ``others``: rows in the step that draft
+        nothing here but schedule their last token."""
+        if not offers:
+            return []
+        cfg = self.drafter.drafter_config
+        if not cfg.adaptive:
+            return [offer.tokens.size for offer in offers]
+        base, per_token = self.cost.line()
+        slowdown = float("inf") if self.options.max_slowdown is None else self.options.max_slowdown
+        return token_lengths(offers, base, per_token, others=others, margin=cfg.margin(), slowdown=slowdown)
+
+    def _own_length(self, offer) -> int:
+        """A seeded sampled request's length: priced alone, on the cost model's fixed prior line, so that it
+        depends on the request's own tokens only."""
+        cfg = self.drafter.drafter_config
+        if not cfg.adaptive:
+            return offer.tokens.size
+        return token_lengths([offer], 1.0, TokenCost.PRIOR_SHARE, margin=cfg.margin())[0]
+
     # ------------------------------------------------------------------ bookkeeping
+
+    def _fault(self, req_id: str, err: Exception) -> None:
+        """Drafting for ``req_id`` raised: it drafts no more (its session may be half-updated), said once."""
+        self._faulted.add(req_id)
+        self._requests.pop(req_id, None)  # not finished into the cache: its state is not trusted
+        _log.warning("lookupdec: drafting for request %s failed (%s: %s); it goes on without drafts", req_id,
+                     type(err).__name__, err, exc_info=err)
 
     def _observe(self, view, start: float) -> None:
         """Feed the cost fit with the step that just ran: from the end of the last propose to the start of
@@ -131,7 +210,7 @@ class LookupProposer:
             return
         self.cost.observe(tokens, seconds)
 
-    def _track(self, view, req_id: str, tokens: np.ndarray, n: int):
+    def _track(self, view, req_id: str, tokens: np.ndarray, n: int) -> _Tracked:
         """The request's session, brought up to its ``n`` tokens (``tokens[:n]``); a new session for a request
         seen for the first time, or one whose tokens no longer extend what the session saw."""
         tracked = self._requests.get(req_id)
@@ -139,21 +218,39 @@ class LookupProposer:
             tracked.session.finish(0)
             tracked = None
         if tracked is None:
-            info = view.request(req_id)
-            prompt_len = min(info.prompt_len, n)
-            session = self.drafter.start(tokens[:prompt_len], eos_ids=info.stop_ids, prediction=info.prediction)
-            tracked = self._requests[req_id] = _Tracked(session, prompt_len, info)
+            tracked = self._requests[req_id] = self._start(view.request(req_id), tokens, n)
         if n > tracked.seen:
             tracked.session.commit(tokens[tracked.seen:n].tolist())
             tracked.seen = n
         return tracked
 
+    def _start(self, info: _internals.RequestInfo, tokens: np.ndarray, n: int) -> _Tracked:
+        """A new session for ``info``'s request, its prediction and client checked."""
+        prediction, why = checked_prediction(info.prediction, self.vocab_size, self.max_model_len)
+        if why is not None:
+            _log.warning("lookupdec: ignoring the prediction of request %s: %s", info.req_id, why)
+        client = info.client
+        if client is not None and not isinstance(client, str):
+            _log.warning("lookupdec: ignoring the client of request %s: not a string", info.req_id)
+            client = None
+        prompt = tokens[:min(info.prompt_len, n)]
+        if info.seeded_sampling:
+            own = Drafter(replace(self.drafter.drafter_config, use_cache=False), references=self.drafter.references)
+            session = own.start(prompt, eos_ids=info.stop_ids, prediction=prediction, use_cache=False)
+            return _Tracked(session, len(prompt), info, own)
+        scope = self.options.cache_scope
+        session = self.drafter.start(prompt, eos_ids=info.stop_ids, prediction=prediction,
+                                     client=client if scope == "user" else None, use_cache=scope != "off")
+        return _Tracked(session, len(prompt), info, None)
+
     def _forget(self, live: set) -> None:
         """End the sessions of requests the runner no longer holds (finished or aborted): their outputs join
         the rolling cache."""
+        self._faulted &= live
         for req_id in [r for r in self._requests if r not in live]:
             tracked = self._requests.pop(req_id)
             try:
                 tracked.session.finish()
-            except Exception:  # noqa: BLE001,S110 - the cache misses one output; drafting goes on
-                pass
+            except Exception:  # the cache misses one output; drafting goes on
+                _log.warning("lookupdec: could not add request %s's output to the rolling cache", req_id,
+                             exc_info=True)
