@@ -257,6 +257,48 @@ class TestBareVllmServe:
         assert httpx.get(f"{bare_server}/health", timeout=10).status_code == 200
 
 
+@pytest.fixture(scope="class")
+def parallel_server(model_folder, tmp_path_factory):
+    """``lookupdec serve --engine vllm`` with vLLM's data parallelism: two engine processes, each its own
+    scheduler, runner and proposer, behind one API server that balances requests between them."""
+    args = [sys.executable, "-m", "lookupdec.cli", "serve", "--engine", "vllm", "--max-batch", "4", "--port",
+            "{port}", "--", "--max-model-len", "2048", "--enforce-eager", "--data-parallel-size", "2"]
+    for url in _started(args, tmp_path_factory.mktemp("parallel") / "serve.log"):
+        yield url
+
+
+class TestDataParallel:
+    def test_both_ranks_load_the_plugin_and_draft_and_answers_stay_plain(self, parallel_server, plain):
+        # Six requests at once: vLLM spreads them over its two engines. Each engine's proposer needs the plugin's
+        # hook in its own worker process (it refuses to start without), and each drafts: vLLM counts drafted and
+        # accepted tokens per engine.
+        import httpx
+
+        edit = {**_chat(REQUESTS[0]), "prediction": {"type": "content", "content": REQUESTS[0]["prediction"]}}
+        open_ended = _chat(REQUESTS[2], return_token_ids=True)
+        replies, last = _beside(parallel_server + "/v1", [edit, open_ended] * 2 + [edit], open_ended)
+        for reply in replies[0::2]:
+            assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain["texts"][0]
+        for reply in replies[1::2] + [last]:
+            _check_plain(reply, plain, 2)
+        counts = _per_engine(parallel_server, "vllm:spec_decode_num_accepted_tokens_total")
+        assert sorted(counts) == ["0", "1"] and all(value > 0 for value in counts.values()), counts
+        assert httpx.get(f"{parallel_server}/health", timeout=10).status_code == 200
+
+
+def _per_engine(base, name) -> dict:
+    """``{engine: value}`` of the vLLM counter ``name`` in /metrics."""
+    import re
+
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{"):
+            out[re.search(r'engine="(\w+)"', line).group(1)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _chat(request, **extra) -> dict:
     return {"model": "smollm2", "messages": request["messages"], "max_tokens": request["max_tokens"],
             "temperature": 0, **extra}
@@ -300,13 +342,8 @@ def _check_plain(reply, plain, i) -> None:
 
 
 def _accepted(base) -> float:
-    """vLLM's count of accepted drafted tokens, from its /metrics."""
-    import httpx
-
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:spec_decode_num_accepted_tokens_total"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:spec_decode_num_accepted_tokens_total in /metrics")
+    """vLLM's count of accepted drafted tokens (all engines), from its /metrics."""
+    return sum(_per_engine(base, "vllm:spec_decode_num_accepted_tokens_total").values())
 
 
 def _answers_with_the_prediction_counts(server, plain):
