@@ -38,7 +38,7 @@ from lookupdec._fs import atomic_write
 from lookupdec.calibration import calibrate_or_warn
 from lookupdec.trace import TraceRecorder
 
-from .run import encode
+from .prompts import encode
 from .workloads import SUITES
 
 

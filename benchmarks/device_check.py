@@ -397,7 +397,7 @@ def encode_prompt(tokenizer, text: str) -> list:
     """Token ids of a prompt: the model's chat template, or without a tokenizer the UTF-8 bytes (ids 3..258)."""
     if tokenizer is None:
         return [3 + b for b in text.encode()]
-    from benchmarks.run import encode
+    from benchmarks.prompts import encode
 
     return encode(tokenizer, text)[0].tolist()
 
@@ -1135,7 +1135,7 @@ def main(argv=None) -> int:
     def model_stage(key, measure):
         """A stage timing systems on the quick prompts with the speed model: ``measure(model, tokenizer, prompts,
         plan, deadline)`` (:func:`speed`, :func:`compiled_speed`), the model freed after it."""
-        from benchmarks.run import pick_prompts
+        from benchmarks.prompts import pick_prompts
 
         prompts = pick_prompts(argparse.Namespace(suites=list(plan.suites), per_suite=plan.per_suite))
         if plan.dry_run:
