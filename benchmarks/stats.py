@@ -29,3 +29,8 @@ def spread(named: dict) -> dict:
     values = list(named.values())
     return {"n": len(values), "median": statistics.median(values), "p10": nearest_rank(values, 10),
             "worst": named[worst], "worst_name": worst}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None where either is missing or ``b`` is 0 (a figure that was not measured)."""
+    return a / b if a is not None and b else None
