@@ -20,7 +20,7 @@ them (``device_check.json`` and ``device_check.md`` are rewritten after every st
    (``STATISTICAL_TESTS``: three quarters of the time): a greedy comparison may fail at a near-tie, since a pass of
    one token and a pass of many round differently (tests/test_precision.py is about that). Which tests fail can
    change from run to run: the measured pass cost decides the draft lengths, and with them the rounding.
-5. ``compiled``: issue 26's fast path at batch 1 on the same prompts: plain greedy eager and on transformers' fast
+5. ``compiled``: the fast path at batch 1 on the same prompts: plain greedy eager and on transformers' fast
    path (static KV cache, ``torch.compile`` of the forward), lookupdec eager and on the same compiled forward
    (``benchmarks.run``'s ``greedy_compiled`` / ``lookupdec_compiled``); each first call's seconds (the compile),
    per prompt each system's seconds and whether its output equals its reference (lookupdec compiled against plain
@@ -571,7 +571,7 @@ def _batch_one(singles: list) -> dict:
 
 
 def compiled_speed(model, tokenizer, prompts: list, plan: Plan, deadline: float) -> dict:
-    """Batch 1 on the quick prompts, issue 26's fast path: plain greedy eager (the reference) and on transformers'
+    """Batch 1 on the quick prompts, the fast path: plain greedy eager (the reference) and on transformers'
     fast path (static cache, compiled forward), lookupdec eager and on the same compiled forward. What each first
     call cost (the compile), per prompt every system's seconds, and whether each output equals its reference:
     plain compiled against plain eager, lookupdec compiled against plain compiled (kernels compiled for other
@@ -981,7 +981,7 @@ def _compiled_markdown(cp) -> list:
     if not isinstance(cp, dict) or not cp.get("single"):
         return []
     n = len(cp["single"])
-    lines = ["## The fast path: a compiled forward (issue 26)", "",
+    lines = ["## The fast path: a compiled forward", "",
              f"Model: {cp['model']}; torch.compile backend {cp['backend']}; {n} prompts, {cp['new_tokens']} new tokens, "
              "batch 1. Medians of per-prompt time ratios." + (" Cut short by the time budget." if cp["cut_short"]
                                                                else ""), "",

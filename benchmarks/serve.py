@@ -137,8 +137,8 @@ def _split(n_requests: int) -> tuple[int, int]:
 
 def cb_blocks(requests: list[Request], tokenizer, concurrency: int) -> int:
     """KV blocks for transformers' continuous batching: room for `concurrency` of the longest requests, twice over.
-    Left to itself on a CPU it sizes its paged cache from free system RAM (90%): 10.7 GB of RSS on a 23 GB
-    machine, allocated at the first request, for a model whose eight requests here need a few hundred MB."""
+    Left to itself on a CPU it sizes its paged cache from free system RAM (90%), allocated at the first request:
+    gigabytes, for a model whose requests here need a few hundred MB."""
     longest = max(len(tokenizer.apply_chat_template([{"role": "user", "content": r.user}], add_generation_prompt=True,
                                                     return_dict=True)["input_ids"]) + r.max_tokens for r in requests)
     return max(16, 2 * -(-concurrency * longest // CB_PAGE_TOKENS))
