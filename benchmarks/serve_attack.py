@@ -14,7 +14,7 @@ problem) to ``--out``; exits 1 when a case failed, 2 when the server could not r
 
 Examples::
 
-    python -m benchmarks.serve_attack                                 # lookupdec serve, embedded model: ~1 min
+    python -m benchmarks.serve_attack                                 # lookupdec serve, embedded model: ~20 s
     python -m benchmarks.serve_attack --server vllm-lookupdec          # vLLM's engine: a vLLM start first
 """
 
