@@ -1,4 +1,4 @@
-"""Where lookupdec's time goes against plain decoding, prompt by prompt (issue 26: summaries and QA).
+"""Where lookupdec's time goes against plain decoding, prompt by prompt: prefill, undrafted and drafted passes.
 
 For each prompt, plain greedy ``model.generate`` and ``lookupdec.generate`` (a fresh, calibrated drafter, with a
 :class:`~lookupdec.trace.TraceRecorder`) run alternately, ``--reps`` times each, eager, one torch thread; the
@@ -38,7 +38,7 @@ from lookupdec._fs import atomic_write
 from lookupdec.calibration import calibrate_or_warn
 from lookupdec.trace import TraceRecorder
 
-from .run import encode
+from .prompts import encode
 from .workloads import SUITES
 
 

@@ -1,8 +1,8 @@
 """A prepared one-shot check on one GPU: exactness there, speed on the quick prompts, verification cost curves, vLLM.
 
 Sized to finish in under 8 minutes on one H200 with no network; CI runs it on a CPU in a tiny ``--dry-run`` so it
-cannot rot (``tests/test_device_check.py``). Stages, the most valuable first, so that a run cut short still leaves
-them (``device_check.json`` and ``device_check.md`` are rewritten after every stage):
+cannot rot (``benchmarks/test_device_check.py``). Stages, the most valuable first, so that a run cut short still
+leaves them (``device_check.json`` and ``device_check.md`` are rewritten after every stage):
 
 1. ``exact32``: tests/test_exactness.py, test_batch.py and test_sampling.py (``-m "not slow"``) on the device in
    fp32, through tests/conftest.py's ``LOOKUPDEC_TEST_DEVICE`` / ``LOOKUPDEC_TEST_DTYPE`` switch: pass or fail.
@@ -20,7 +20,7 @@ them (``device_check.json`` and ``device_check.md`` are rewritten after every st
    (``STATISTICAL_TESTS``: three quarters of the time): a greedy comparison may fail at a near-tie, since a pass of
    one token and a pass of many round differently (tests/test_precision.py is about that). Which tests fail can
    change from run to run: the measured pass cost decides the draft lengths, and with them the rounding.
-5. ``compiled``: issue 26's fast path at batch 1 on the same prompts: plain greedy eager and on transformers' fast
+5. ``compiled``: the fast path at batch 1 on the same prompts: plain greedy eager and on transformers' fast
    path (static KV cache, ``torch.compile`` of the forward), lookupdec eager and on the same compiled forward
    (``benchmarks.run``'s ``greedy_compiled`` / ``lookupdec_compiled``); each first call's seconds (the compile),
    per prompt each system's seconds and whether its output equals its reference (lookupdec compiled against plain
@@ -64,26 +64,26 @@ What a GPU image may lack, and how to bring it (the machine has no network; a ca
   the second ``device_check.sh run``, which joins the pieces, checks the sha256, and passes ``--model``. The second
   call must come while the machine is still warm (30 s on nvidia-h200), or the first piece is gone.
 
-How long it takes (estimated, not measured on a GPU: no GPU was lent when it was written; the json records each
-stage's seconds). On this project's 2-core CPU (one torch thread, the machine otherwise idle) the exactness tests
-took 56 s in fp32 and 27 s in bf16 without the statistical tests (all of them in bf16: 87 s), wall time with
-pytest's start; most of it is Python around thousands of short generations of 2-layer models, whose passes a GPU
-runs no faster (each is bound by launching ~70 kernels, under 1 ms; the loops wait for the device once a pass):
-about 1-2 minutes in fp32 (timeout 200 s), under a minute in bf16. The cost curves: a model is built on the device
-in seconds (7.6 G parameters, 15 GB in bf16, initialised there); ``measure_pass_costs`` times every length 0..128 in
-interleaved rounds, at least 2 and more while they fit in ~3 s (``--curve-budget-s``), each pass at most ~10 ms even
-for the 7B model (its weights read at ~4 TB/s: 4 ms; 129 tokens of it: 2 TFLOP, 3 ms at ~700 TFLOP/s): about a
-minute for the four. Speed: a plain step of a 30-layer 135M model in eager PyTorch is bound by ~1000 kernel
-launches, about 10-15 ms, so 128 greedy tokens take ~1.5-2 s; 10 prompts x 3 systems at batch 1 and 3 batches of 2
-systems with warm-ups: about 1 minute. vLLM: two engine starts with a 135M model in eager mode, estimated at 1-2
-minutes each with the generations (an estimate: vLLM has not run on a GPU here), and ~10 s to import vLLM and check
-its version; the stage runs only with at least 120 s of the budget left, and each engine's process is killed at
-the budget's end. With the wheels' install and the imports (~30 s), about 4-5 minutes without vLLM and 6-8 with it;
-``--budget-s`` (450) skips or cuts short what would run past it, and the stage timeouts keep the whole under 8
-minutes. The ``compiled`` stage's compiles (on this CPU 65-78 s for plain decoding, minutes more for lookupdec's
-widths) are not bounded inside a call; on a GPU, give it a call of its own (``--stages compiled``) if the others
-leave it little. The four first stages leave vLLM about 2-3 minutes of the 450 s, which may not be enough: it can run alone
-in a call of its own (``--stages vllm``, with the wheels and, to check a real model, the carried .gguf).
+How long it takes (estimated, not measured on a GPU; the json records each stage's seconds). On this project's
+2-core CPU (one torch thread, the machine otherwise idle) the exactness tests took 56 s in fp32 and 27 s in bf16
+without the statistical tests (all of them in bf16: 87 s), wall time with pytest's start; most of it is Python
+around thousands of short generations of 2-layer models, whose passes a GPU runs no faster (each is bound by
+launching ~70 kernels, under 1 ms; the loops wait for the device once a pass): about 1-2 minutes in fp32 (timeout
+200 s), under a minute in bf16. The cost curves: a model is built on the device in seconds (7.6 G parameters, 15 GB
+in bf16, initialised there); ``measure_pass_costs`` times every length 0..128 in interleaved rounds, at least 2 and
+more while they fit in ~3 s (``--curve-budget-s``), each pass at most ~10 ms even for the 7B model (its weights read
+at ~4 TB/s: 4 ms; 129 tokens of it: 2 TFLOP, 3 ms at ~700 TFLOP/s): about a minute for the four. Speed: a plain step
+of a 30-layer 135M model in eager PyTorch is bound by ~1000 kernel launches, about 10-15 ms, so 128 greedy tokens
+take ~1.5-2 s; 10 prompts x 3 systems at batch 1 and 3 batches of 2 systems with warm-ups: about 1 minute. vLLM: two
+engine starts with a 135M model in eager mode, estimated at 1-2 minutes each with the generations (an estimate: vLLM
+has not run on a GPU here), and ~10 s to import vLLM and check its version; the stage runs only with at least 120 s
+of the budget left, and each engine's process is killed at the budget's end. With the wheels' install and the
+imports (~30 s), about 4-5 minutes without vLLM and 6-8 with it; ``--budget-s`` (450) skips or cuts short what would
+run past it, and the stage timeouts keep the whole under 8 minutes. The ``compiled`` stage's compiles (on this CPU
+65-78 s for plain decoding, minutes more for lookupdec's widths) are not bounded inside a call; on a GPU, give it a
+call of its own (``--stages compiled``) if the others leave it little. The four first stages leave vLLM about 2-3
+minutes of the 450 s, which may not be enough: it can run alone in a call of its own (``--stages vllm``, with the
+wheels and, to check a real model, the carried .gguf).
 
 Examples::
 
@@ -397,7 +397,7 @@ def encode_prompt(tokenizer, text: str) -> list:
     """Token ids of a prompt: the model's chat template, or without a tokenizer the UTF-8 bytes (ids 3..258)."""
     if tokenizer is None:
         return [3 + b for b in text.encode()]
-    from benchmarks.run import encode
+    from benchmarks.prompts import encode
 
     return encode(tokenizer, text)[0].tolist()
 
@@ -571,7 +571,7 @@ def _batch_one(singles: list) -> dict:
 
 
 def compiled_speed(model, tokenizer, prompts: list, plan: Plan, deadline: float) -> dict:
-    """Batch 1 on the quick prompts, issue 26's fast path: plain greedy eager (the reference) and on transformers'
+    """Batch 1 on the quick prompts, the fast path: plain greedy eager (the reference) and on transformers'
     fast path (static cache, compiled forward), lookupdec eager and on the same compiled forward. What each first
     call cost (the compile), per prompt every system's seconds, and whether each output equals its reference:
     plain compiled against plain eager, lookupdec compiled against plain compiled (kernels compiled for other
@@ -981,7 +981,7 @@ def _compiled_markdown(cp) -> list:
     if not isinstance(cp, dict) or not cp.get("single"):
         return []
     n = len(cp["single"])
-    lines = ["## The fast path: a compiled forward (issue 26)", "",
+    lines = ["## The fast path: a compiled forward", "",
              f"Model: {cp['model']}; torch.compile backend {cp['backend']}; {n} prompts, {cp['new_tokens']} new tokens, "
              "batch 1. Medians of per-prompt time ratios." + (" Cut short by the time budget." if cp["cut_short"]
                                                                else ""), "",
@@ -1135,7 +1135,7 @@ def main(argv=None) -> int:
     def model_stage(key, measure):
         """A stage timing systems on the quick prompts with the speed model: ``measure(model, tokenizer, prompts,
         plan, deadline)`` (:func:`speed`, :func:`compiled_speed`), the model freed after it."""
-        from benchmarks.run import pick_prompts
+        from benchmarks.prompts import pick_prompts
 
         prompts = pick_prompts(argparse.Namespace(suites=list(plan.suites), per_suite=plan.per_suite))
         if plan.dry_run:

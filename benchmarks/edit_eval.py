@@ -1,4 +1,4 @@
-"""How often ``lookupdec reformat --instruction`` lands a real edit, and how fast, on real configs (issues 18, 25).
+"""How often ``lookupdec reformat --instruction`` lands a real edit, and how fast, on real configs.
 
 The set is ``benchmarks/edits/``: configs copied from public projects (``configs/``, sources and licences in
 ``cases.yaml``) and one- or two-value instructions, each with the data the file must hold afterwards, written as
@@ -26,8 +26,7 @@ from the end of the model load (the loader's last progress line on stderr) to th
 must give the same result; ``same`` says whether they did (exit code, error line and written bytes).
 
 Writes ``edit_eval.json`` (every run, with the command's error line) and ``edit_eval.md`` (the table and totals)
-into ``--out`` (default ``benchmarks/results/``). Targets from issue 25: at least 85 % right and no wrong edit
-written.
+into ``--out`` (default ``benchmarks/results/``). The target: at least 85 % right and no wrong edit written.
 
 Bench dependency: PyYAML only (already a dependency of lookupdec); tags are kept by a loader defined here.
 
@@ -436,7 +435,7 @@ def _cell(text: str, width: int = 120) -> str:
 
 def markdown(results: list[Result], summary: dict, meta: dict) -> str:
     lines = [
-        "# Edit evaluation (issues 18, 25)",
+        "# Edit evaluation",
         "",
         (f"{meta['date']}, {meta['machine']}, lookupdec at {meta['commit']}. Command: `{meta['command']}`"
          + (f" (judged again {meta['rejudged']})." if meta.get("rejudged") else ".")),

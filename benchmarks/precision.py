@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 import lookupdec
-from benchmarks.run import encode, pick_prompts
+from benchmarks.prompts import encode, pick_prompts
 from benchmarks.workloads import SUITES
 from lookupdec import LookupDrafter, TraceRecorder
 from lookupdec.models import load_model

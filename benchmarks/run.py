@@ -11,10 +11,10 @@ shared machine hits all of them alike. Ratios are computed inside one run, never
 - ``lookupdec_hf``: ``model.generate(assistant_model=drafter)`` (transformers' loop), the drafter calibrated with
   ``lookupdec.calibrate`` as ``lookupdec.generate`` does on its own
 - ``oracle``: ``lookupdec.generate`` with a drafter that knows the greedy output and drafts as far as lookupdec may
-  (``DrafterConfig.max_draft``, 64 by default): the ceiling any lookup drafter can reach on this hardware with this
-  loop.
+  (``DrafterConfig.max_draft``, 64 by default; ``benchmarks/oracle.py``): the ceiling any lookup drafter can reach
+  on this hardware with this loop.
 
-Opt-in (``--systems``), for issue 26's fast path:
+Opt-in (``--systems``), transformers' fast path and an outside anchor:
 
 - ``greedy_compiled``: plain ``model.generate`` on transformers' fast path, a static KV cache and
   ``torch.compile`` of the forward (inductor; the first call pays the compile, which the warm-up takes);
@@ -28,8 +28,9 @@ Opt-in (``--systems``), for issue 26's fast path:
 
 Per prompt it records new tokens, target passes, tokens per pass (the target's own token of each pass included),
 acceptance by draft position, the share of time spent drafting, wall time, and whether the output is
-token-identical to greedy. It writes ``results.json`` (raw), ``results.md`` (tables) and, with matplotlib,
-``speedup.png`` and ``tokens_per_pass.png`` into ``--out``.
+token-identical to greedy. Per suite it reports each system's median speedup over the prompts, with the 10th
+percentile (nearest rank) and the worst prompt's beside it. It writes ``results.json`` (raw), ``results.md``
+(tables) and, with matplotlib, ``speedup.png`` and ``tokens_per_pass.png`` into ``--out``.
 
 Examples::
 
@@ -38,6 +39,7 @@ Examples::
     python -m benchmarks.run --suites yaml code --reps 3 --out /tmp/bench
     python -m benchmarks.run --sample --quick        # T=0.7, fixed seed, speed only
     python -m benchmarks.run --model /path/to/model.gguf
+    python -m benchmarks.run --systems greedy oracle --suites yaml --per-suite 1   # a smoke run of one prompt
 """
 
 from __future__ import annotations
@@ -52,15 +54,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import lookupdec
+from benchmarks.oracle import OracleDrafter
+from benchmarks.prompts import encode, pick_prompts
+from benchmarks.stats import spread
 from benchmarks.workloads import COPY_HEAVY, SUITES
-from lookupdec import Drafter, DrafterConfig, LookupDrafter
+from lookupdec import DrafterConfig, LookupDrafter
 from lookupdec.calibration import calibrate_or_warn, pass_costs
 from lookupdec.models import load_model
-from lookupdec.policy import Offer
 
 SYSTEMS = ("greedy", "pld", "pld_tuned", "lookupdec", "lookupdec_hf", "oracle")
 OPT_IN = ("greedy_compiled", "lookupdec_compiled", "llamacpp")  # run only when --systems names them
@@ -72,10 +75,10 @@ class CompiledForward:
     """``torch.compile`` of the model's forward, made once and swapped in only for the compiled systems' calls.
     ``backend``: inductor (the fast path); ``eager`` traces without generating kernels (device_check's dry run).
 
-    Both compiled systems share dynamo's cache, which is kept per code object: at its default limit of 8 graphs
-    per function, lookupdec's widths and the layers' cache updates (one graph per ``layer_idx``) used it up and
-    pushed plain decoding off its graphs (0.80-0.99x eager in one run). So the limit is raised to 64 and integer
-    module attributes are traced as dynamic, for this process."""
+    Both compiled systems share dynamo's cache, which is kept per code object: dynamo's default limit of 8 graphs
+    per function is too few for lookupdec's pass widths and the layers' cache updates (one graph per
+    ``layer_idx``) together, and past it plain decoding would fall back to eager. So the limit is raised to 64 and
+    integer module attributes are traced as dynamic, for this process."""
 
     def __init__(self, model, backend: str = "inductor"):
         self.model, self.backend, self.compiled = model, backend, None
@@ -127,38 +130,6 @@ def llamacpp_for(model_name: str | None, threads: int | None):
     if gguf is None:
         return None, f"{model_name} is not a .gguf file"
     return LlamaCpp(gguf, threads), None
-
-
-class OracleDrafter(Drafter):
-    """Drafts the known greedy continuation: every draft is right, so only the verification cost remains. It runs
-    on lookupdec's own driver: no adaptive length (it drafts all it may), no cache, no calibration."""
-
-    def __init__(self, answer: list, max_draft: int):
-        super().__init__(DrafterConfig(max_draft=max_draft, adaptive=False, use_cache=False, calibrate=False))
-        self.answer = answer
-
-    def start(self, prompt, eos_ids=()):
-        return _OracleSession(self.answer, self.drafter_config.max_draft)
-
-
-class _OracleSession:
-    def __init__(self, answer, max_draft):
-        self.answer, self.max_draft, self.done = answer, max_draft, 0
-        self.offered = np.zeros(0, dtype=np.int32)
-
-    def offer(self, limit):
-        k = min(limit, self.max_draft)
-        self.offered = np.asarray(self.answer[self.done: self.done + k], dtype=np.int32)
-        return Offer(self.offered, 1.0, 1.0)
-
-    def take(self, length):
-        return self.offered[:length]
-
-    def commit(self, tokens, seconds=None):
-        self.done += len(tokens)
-
-    def finish(self):
-        pass
 
 
 @dataclass
@@ -240,27 +211,6 @@ def run_system(system, model, ids, args, counter, answer, pld, extra=None):
     return run, new
 
 
-def encode(tokenizer, user: str) -> torch.Tensor:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-    else:  # a base model: plain text, the instruction last
-        ids = tokenizer(user + "\n\n", return_tensors="pt")["input_ids"]
-    return ids
-
-
-def pick_prompts(args):
-    prompts = []
-    for suite in args.suites:
-        items = SUITES[suite]()
-        if not items:
-            print(f"skipping suite {suite}: its data is not available (../shared/data)", file=sys.stderr)
-            continue
-        limit = args.per_suite if args.per_suite else len(items)
-        prompts += items[:limit]
-    return prompts
-
-
 def sweep_pld(model, tokenizer, prompts, args, counter):
     """Best (num tokens, max n-gram) for transformers' prompt lookup on the copy-heavy prompts, by median time."""
     candidates = [(10, 2), (10, 3), (20, 2), (20, 3), (32, 3)]
@@ -307,7 +257,7 @@ def summarize(records, systems):
     groups = {}
     for row in rows:
         groups.setdefault(row["suite"], []).append(row)
-    if all(suite in groups for suite in COPY_HEAVY):  # the speed issue's copy-heavy targets are over these together
+    if all(suite in groups for suite in COPY_HEAVY):  # the copy-heavy suites are also reported together
         groups[" + ".join(COPY_HEAVY)] = [row for row in rows if row["suite"] in COPY_HEAVY]
     suite_rows = []
     for name, items in groups.items():
@@ -318,6 +268,10 @@ def summarize(records, systems):
         for key in items[0]:
             if key.startswith(("x_", "tpp_", "vs_", "of_", "draft_")) and items[0][key] is not None:
                 agg[key] = statistics.median(item[key] for item in items)
+            if key.startswith("x_"):  # beside the median: the 10th percentile and the worst prompt
+                tail = spread({item["name"]: item[key] for item in items})
+                agg[f"p10_{key}"], agg[f"worst_{key}"], agg[f"worst_prompt_{key}"] = (
+                    tail["p10"], tail["worst"], tail["worst_name"])
             if key.startswith("same_"):
                 agg[key] = all(item[key] for item in items)
         suite_rows.append(agg)
@@ -343,7 +297,9 @@ def markdown(rows, suite_rows, systems, meta):
              *([(f"Pass cost by draft length d = 0..8, {', '.join(map(str, long))} (lookupdec.calibrate, in "
                  "plain steps): " + ", ".join(f"{meta['pass_costs'][d]:.2f}" for d in (*range(9), *long)))]
                if len(meta.get("pass_costs", ())) > 32 else []),
-             "", "Per suite (medians over prompts; `x` = speedup over plain greedy in the same run):", "", head,
+             "", ("Per suite (medians over prompts; `x` = speedup over plain greedy in the same run, as median (10th "
+                  "percentile by nearest rank, worst prompt): below 10 prompts the 10th percentile is the worst):"),
+             "", head,
              "|" + "---|" * (head.count("|") - 1)]
 
     def fmt(v, pct=False):
@@ -351,9 +307,12 @@ def markdown(rows, suite_rows, systems, meta):
             return "-"
         return f"{100 * v:.1f}%" if pct else f"{v:.2f}"
 
+    def x(r, s):
+        return f"{fmt(r[f'x_{s}'])} ({fmt(r[f'p10_x_{s}'])}, {fmt(r[f'worst_x_{s}'])})"
+
     for r in suite_rows:
         same = all(r.get(f"same_{s}", True) for s in CHECKED if s in systems)
-        lines.append(f"| {r['suite']} | {r['prompts']} | " + " | ".join(fmt(r.get(f"x_{s}")) for s in shown) +
+        lines.append(f"| {r['suite']} | {r['prompts']} | " + " | ".join(x(r, s) for s in shown) +
                      f" | {fmt(r.get('vs_pld'))} | {fmt(r.get('vs_pld_tuned'))} | {fmt(r.get('vs_pld_hf'))}"
                      f" | {fmt(r.get('of_oracle'), True)}"
                      f" | {fmt(r.get('tpp_lookupdec'))} | {fmt(r.get('draft_share'), True)} | "
@@ -391,14 +350,18 @@ def plots(rows, suite_rows, systems, out: Path):
     except ImportError:
         print("matplotlib not installed: no plots (pip install matplotlib)", file=sys.stderr)
         return
-    shown = [s for s in systems if s not in ("greedy", "oracle")]
+    drafting = [s for s in systems if s != "greedy"]
+    if not drafting:
+        return  # plain greedy alone: every speedup is 1
+    # The oracle is a dashed ceiling over the other systems' bars, or a bar of its own when it runs alone.
+    shown = [s for s in drafting if s != "oracle"] or drafting
     suite_rows = [r for r in suite_rows if r["suite"] in SUITES]  # the pooled yaml + code row would repeat prompts
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(shown)
     for i, s in enumerate(shown):
         ax.bar([j + i * width for j in range(len(suite_rows))], [r.get(f"x_{s}", 0) for r in suite_rows], width,
                label=s)
-    if "oracle" in systems:
+    if "oracle" in systems and "oracle" not in shown:
         for j, r in enumerate(suite_rows):
             ax.hlines(r["x_oracle"], j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--",
                       label="oracle (ceiling)" if j == 0 else None)
@@ -409,8 +372,7 @@ def plots(rows, suite_rows, systems, out: Path):
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    data = [[r[f"tpp_{s}"] for r in rows] for s in systems if s != "greedy"]
-    ax.boxplot(data, tick_labels=[s for s in systems if s != "greedy"])
+    ax.boxplot([[r[f"tpp_{s}"] for r in rows] for s in drafting], tick_labels=drafting)
     ax.set_ylabel("tokens per target pass (per prompt)")
     fig.tight_layout()
     fig.savefig(out / "tokens_per_pass.png", dpi=120)

@@ -1,13 +1,17 @@
-"""benchmarks/serve.py's load loops and its per-request ratios, on a stand-in send (no server): the closed loop
-keeps `level` requests in flight and times each from its send; the open loop (``--interval``) sends on a clock,
-whatever the server does, and times each request from its arrival, waiting for a slot included.
+"""benchmarks/serve.py: its load loops and per-request ratios on a stand-in send (no server): the closed loop keeps
+`level` requests in flight and times each from its send; the open loop (``--interval``) sends on a clock, whatever
+the server does, and times each request from its arrival, waiting for a slot included; each class of request gets
+its median, 10th percentile and worst speed. Then a whole run, lookupdec against itself without drafting, on real
+servers over a tiny model.
 
-Tests of the tools, not of the product (``python -m pytest -q benchmarks``). Times are real sleeps, so the checks
-are lower bounds and orderings, which a slow machine cannot break."""
+Tests of the tools, not of the product (``python -m pytest -q benchmarks research``). Times are real sleeps, so the
+checks are lower bounds and orderings, which a slow machine cannot break."""
 
 import asyncio
+import json
 import time
 
+from benchmarks import serve
 from benchmarks.serve import Result, schedule, summarize
 
 
@@ -44,6 +48,17 @@ def _result(server, name, kind, seconds, text="same"):
     return Result(server, 4, 0, name, kind, seconds, text, 3, 3)
 
 
+def test_each_class_of_request_gets_its_median_tail_and_worst():
+    # Speeds against the reference (its latency over the server's): edits 4, 2, 1, 0.5; the open one 1.
+    results = [_result("ref", f"e{i}", "edit", 4.0) for i in range(4)] + [_result("ref", "o", "open", 2.0)]
+    results += [_result("srv", f"e{i}", "edit", t) for i, t in enumerate((1.0, 2.0, 4.0, 8.0))]
+    results += [_result("srv", "o", "open", 2.0)]
+    walls = {("ref", 4, 0): 10.0, ("srv", 4, 0): 10.0}
+    speeds = summarize(results, walls, ["ref", "srv"], [4], "ref")["ratios"][4]["srv"]["speeds"]
+    assert speeds["edit"] == {"n": 4, "median": 1.5, "p10": 0.5, "worst": 0.5, "worst_name": "e3, rep 0"}
+    assert speeds["open"]["n"] == 1 and speeds["open"]["worst"] == 1.0
+
+
 def test_each_open_ended_request_gets_its_own_speed_against_the_reference_slowest_first():
     results = [_result("vllm", "e", "edit", 4.0), _result("vllm", "o1", "open", 2.0),
                _result("vllm", "o2", "open", 3.0),
@@ -53,3 +68,21 @@ def test_each_open_ended_request_gets_its_own_speed_against_the_reference_slowes
     ratios = summarize(results, walls, ["vllm", "vllm-lookupdec"], [4], "vllm")["ratios"][4]["vllm-lookupdec"]
     assert ratios["open_speeds"] == [0.5, 1.5]  # o1 took twice as long, o2 two thirds
     assert ratios["median_edit_latency"] == 0.25 and ratios["identical"] == 2 and ratios["pairs"] == 3
+
+
+def test_lookupdec_against_its_own_engine_without_drafting(served, tmp_path):
+    # Two real servers on a tiny model: lookupdec, and lookupdec-plain whose every request says "lookup": false.
+    # lookupdec-plain is the reference by default; greedy texts must agree, and only lookupdec drafts.
+    code = serve.main(["--servers", "lookupdec", "lookupdec-plain", "--levels", "2", "--reps", "1", "--requests",
+                       "4", "--max-tokens", "8", *served])
+    assert code == 0
+    data = json.loads((tmp_path / "serve.json").read_text())
+    assert data["summary"]["reference"] == "lookupdec-plain"
+    rows = data["summary"]["servers"]
+    assert rows["lookupdec@2"]["errors"] == rows["lookupdec-plain@2"]["errors"] == 0
+    assert rows["lookupdec-plain@2"]["drafted"] == 0 < rows["lookupdec@2"]["drafted"]
+    ratios = data["summary"]["ratios"]["2"]["lookupdec"]
+    assert ratios["identical"] == ratios["pairs"] == 4
+    assert set(ratios["speeds"]) == {"edit", "open"} and ratios["speeds"]["edit"]["n"] == 3
+    table = (tmp_path / "serve.md").read_text()
+    assert "| 2 | lookupdec | edit | 3 |" in table and "lookupdec-plain sent \"lookup\": false" in table

@@ -44,7 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.run import OracleDrafter, encode, pick_prompts
+from benchmarks.oracle import OracleDrafter
+from benchmarks.prompts import encode, pick_prompts
 from benchmarks.workloads import COPY_HEAVY, SUITES
 from lookupdec.calibration import pass_costs
 from lookupdec.drafter import EMPTY, Drafter, DrafterConfig
@@ -248,7 +249,7 @@ class _PromptLookupDrafter(Drafter):
         super().__init__(DrafterConfig(max_draft=num_tokens, max_n=max_ngram, adaptive=False, use_cache=False,
                                        calibrate=False))
 
-    def start(self, prompt, eos_ids=()):
+    def start(self, prompt, eos_ids=(), *, prediction=None, reproducible=False):
         return _PromptLookupSession(prompt, self.drafter_config, eos_ids)
 
 
@@ -288,7 +289,7 @@ class _PromptLookupSession:
     def commit(self, tokens, seconds=None):
         self.tokens += [int(t) for t in tokens]
 
-    def finish(self):
+    def finish(self, generated=None):
         pass
 
 
@@ -465,8 +466,8 @@ class _HindsightDrafter(Drafter):
         self.inner, self.answer, self.choose = inner, answer, choose
         self.session, self.start_len = None, 0
 
-    def start(self, prompt, eos_ids=()):
-        self.session = self.inner.start(prompt, eos_ids)
+    def start(self, prompt, eos_ids=(), *, prediction=None, reproducible=False):
+        self.session = self.inner.start(prompt, eos_ids, prediction=prediction, reproducible=reproducible)
         self.start_len = len(self.session.index)  # the index then grows by exactly the committed output
         return self.session
 

@@ -1,12 +1,11 @@
 """The hindsight bounds of research/simulate.py (``--bounds``): the design notes' account of where the gap to the
 oracle comes from rests on them, so they are checked against brute force on small cases. Also its cost curves
-(``--cost-file``, ``--flat-cost``), and the per-suite summary of benchmarks/run.py that the issue targets are read
-from.
+(``--cost-file``, ``--flat-cost``), and that its replayed drafters keep to lookupdec's driver.
 
 Tests of the studies, not of the product: the product suite (``python -m pytest`` from the repository root, whose
-``testpaths`` is ``tests``) does not collect them. Run them from the repository root::
+``testpaths`` is ``tests``) does not collect them; CI runs them after it. From the repository root::
 
-    python -m pytest -q research
+    python -m pytest -q benchmarks research
 """
 
 import functools
@@ -15,7 +14,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import run
+from benchmarks.oracle import protocol_mismatches
+from lookupdec.drafter import DraftSession
 from research import simulate
 
 
@@ -132,33 +132,10 @@ def test_bounds_hold_for_the_drafters_they_bound():
             prior += [-1, *prompt[-factory.drafter.cache.max_n:], *answer]
 
 
-def test_run_summary_pools_the_copy_heavy_suites():
-    # The speed issue's copy-heavy targets are medians over the yaml and code prompts together: run.py's summary
-    # adds that row, each route's ratio to prompt lookup taken per prompt, then the median.
-
-    def record(suite, name, seconds):
-        runs = [{"system": s, "seconds": t, "new_tokens": 10, "passes": 5, "identical": True, "draft_seconds": 0.0,
-                 "accepted_per_position": [], "drafted_per_position": []} for s, t in seconds.items()]
-        return {"suite": suite, "name": name, "prompt_tokens": 5, "runs": runs}
-
-    records = [record("yaml", "a", {"greedy": 8, "pld": 4, "lookupdec": 2, "lookupdec_hf": 4}),
-               record("yaml", "b", {"greedy": 8, "pld": 4, "lookupdec": 1, "lookupdec_hf": 2}),
-               record("code", "c", {"greedy": 6, "pld": 3, "lookupdec": 3, "lookupdec_hf": 3}),
-               record("qa", "d", {"greedy": 6, "pld": 6, "lookupdec": 3, "lookupdec_hf": 6})]
-    systems = ["greedy", "pld", "lookupdec", "lookupdec_hf"]
-    rows, suites = run.summarize(records, systems)
-    by = {r["suite"]: r for r in suites}
-    assert list(by) == ["yaml", "code", "qa", "yaml + code"]
-    assert by["yaml + code"]["prompts"] == 3
-    assert by["yaml + code"]["vs_pld"] == 2.0  # per prompt 2, 4, 1
-    assert by["yaml + code"]["vs_pld_hf"] == 1.0  # per prompt 1, 2, 1
-    assert by["yaml"]["vs_pld"] == 3.0 and by["qa"]["vs_pld_hf"] == 1.0
-    meta = {"date": "d", "machine": "m", "model": "x", "mode": "greedy", "max_new_tokens": 10, "reps": 1,
-            "pld_tuned": None}
-    table = run.markdown(rows, suites, systems, meta)
-    assert "| yaml + code | 3 | 2.00 | 4.00 | 2.00 | 2.00 | - | 1.00 |" in table  # pld, ours, hf: x greedy
-    _, alone = run.summarize(records[:2], systems)
-    assert [r["suite"] for r in alone] == ["yaml"]  # no pooled row without both suites
+def test_the_replayed_drafters_follow_the_drivers_protocol():
+    # Each replayed drafter is a stand-in on lookupdec's driver: the same start() and Session as lookupdec's.
+    assert protocol_mismatches(simulate._PromptLookupDrafter, simulate._PromptLookupSession) == []
+    assert protocol_mismatches(simulate._HindsightDrafter, DraftSession) == []
 
 
 # ---- cost curves from a file, or assumed (--cost-file, --flat-cost) -----------------------------------------

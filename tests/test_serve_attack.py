@@ -1,5 +1,5 @@
-"""``lookupdec serve`` tried as an attacker would (issue 23): a real server on 127.0.0.1 at a free port, raw HTTP
-for the bodies the official client would never send.
+"""``lookupdec serve`` tried as an attacker would: a real server on 127.0.0.1 at a free port, raw HTTP for the
+bodies the official client would never send.
 
 Every rule pinned here: a bad body gets a 4xx with OpenAI's error body (``{"error": {message, type, param, code}}``
 and nothing else, as JSON) naming the field at fault, never a 5xx and never a logged traceback; a strange but valid
@@ -7,6 +7,9 @@ body gets its answer (a tiny temperature is greedy decoding); text a user types 
 is not the control token); what a prediction may cost is bounded; ``/health`` answers within a second while the
 server works; ``accepted/rejected_prediction_tokens`` have OpenAI's meaning; tokens the client never got (after a
 stop string) never reach the rolling cache.
+
+The bodies, and what each must get, are one list in ``tests/serve_attacks.py``; ``benchmarks/serve_attack.py`` and
+``serve_soak.py`` send the same list to a running ``lookupdec serve``.
 
 Run alone: ``python -m pytest -q tests/test_serve_attack.py`` (under three minutes on two CPU cores).
 """
@@ -19,6 +22,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -26,6 +30,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from tests import serve_attacks as attacks  # noqa: E402
 from tests.test_serve import CONFIG, EDIT, MODEL, running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -66,25 +71,13 @@ def _post(http, path: str, body) -> httpx.Response:
 
 
 def _error(r: httpx.Response, status: int | None = None, param: str | None = None, code: str | None = None) -> dict:
-    """Check ``r`` is a 4xx (``status`` if given) with exactly OpenAI's error body; return the error object.
-    ``param``: the error's param must start with it (a path such as ``messages[0].content`` may go deeper)."""
-    assert 400 <= r.status_code < 500, f"{r.status_code}: {r.text[:300]}"
-    if status is not None:
-        assert r.status_code == status, r.text[:300]
-    assert r.headers["content-type"].startswith("application/json"), r.headers["content-type"]
-    body = r.json()
-    assert set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-    assert error["param"] is None or isinstance(error["param"], str)
-    assert error["code"] is None or isinstance(error["code"], str)
-    assert "Traceback" not in r.text
-    if param is not None:
-        assert error["param"] is not None and error["param"].startswith(param), error
-    if code is not None:
-        assert error["code"] == code, error
-    return error
+    """Check ``r`` is a 4xx (``status`` if given) with exactly OpenAI's error body (:func:`attacks.error_problem`);
+    return the error object. ``param``: the error's param must be it or lie below it (``messages[0].content``
+    covers ``messages[0].content[0].text``)."""
+    why = attacks.error_problem(r.status_code, dict(r.headers), r.content, want_status=status,
+                                params=(param,) if param else (), code=code)
+    assert why is None, why
+    return r.json()["error"]
 
 
 def _answer(r: httpx.Response) -> str:
@@ -93,190 +86,32 @@ def _answer(r: httpx.Response) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-class _HealthWatch:
-    """Polls ``/health`` every 0.2 s from a thread of its own while the ``with`` block runs; :attr:`worst` is the
-    longest wait for an answer (infinite if one failed)."""
-
-    def __init__(self, url: str):
-        self.url, self.latencies, self.answers = url, [], []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self):
-        with httpx.Client(timeout=10) as client:
-            while not self._done.is_set():
-                start = time.perf_counter()
-                try:
-                    r = client.get(self.url + "/health")
-                    self.latencies.append(time.perf_counter() - start)
-                    self.answers.append((r.status_code, r.headers.get("content-type", ""), r.text))
-                except httpx.HTTPError as err:
-                    self.latencies.append(float("inf"))
-                    self.answers.append((None, "", repr(err)))
-                self._done.wait(0.2)
-
-    @property
-    def worst(self) -> float:
-        return max(self.latencies)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join(timeout=30)
-
-    def check(self, at_least: int = 3) -> None:
-        assert len(self.latencies) >= at_least, f"only {len(self.latencies)} polls of /health"
-        assert self.worst < HEALTH_BOUND_S, f"/health took {self.worst:.2f} s (polls: {self.latencies})"
-        for status, kind, text in self.answers:
-            assert status == 200 and kind.startswith("application/json") and "status" in json.loads(text), text
+# ------------------------------------------------------------------------------------------------- the list
 
 
-# ------------------------------------------------------------------------------------------------- bad bodies
+CASES = attacks.cases(MODEL)
 
 
-@pytest.mark.parametrize("path", [U, C])
-def test_deeply_nested_json_is_invalid_json_not_a_recursion_error(http, path):
-    r = _post(http, path, '{"x":' * 10_000 + "1" + "}" * 10_000)
-    _error(r, 400, code="invalid_json")
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_every_attack_gets_what_it_must(server, case):
+    # Bad bodies: a 4xx with OpenAI's body naming the field at fault; strange but valid ones: their answer. Each
+    # case says which, and why (tests/serve_attacks.py).
+    if "surrogate" in case.family:
+        assert b"\\ud800" in case.body  # sent as the escape, as an attacker's raw body would have it
+    status, headers, body = attacks.send(server[0], case)
+    why = attacks.problem(case, status, headers, body)
+    assert why is None, why
 
 
-@pytest.mark.parametrize("role", [["user"], {"a": 1}, 5, None])
-def test_a_role_of_the_wrong_type_names_the_role(http, role):
-    _error(_post(http, U, {**CHAT, "messages": [{"role": role, "content": "hi"}]}), 400, param="messages[0].role")
-
-
-# A lone surrogate is valid JSON (an escape) but no text: it cannot be encoded, tokenized or echoed. Each case:
-# (path, body, the param the error names, or a prefix of it).
-_SURROGATE = "hi \ud800"
-_SURROGATES = {
-    "content": (U, {**CHAT, "messages": [{"role": "user", "content": _SURROGATE}]}, "messages[0].content"),
-    "text part": (U, {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": _SURROGATE}]}]},
-                  "messages[0].content"),
-    "system": (U, {**CHAT, "messages": [{"role": "system", "content": _SURROGATE}, *HI]}, "messages[0].content"),
-    "prediction": (U, {**CHAT, "prediction": {"type": "content", "content": _SURROGATE}}, "prediction.content"),
-    "prediction part": (U, {**CHAT, "prediction": {"type": "content", "content": [{"type": "text",
-                                                                                  "text": _SURROGATE}]}},
-                        "prediction.content"),
-    "prompt": (C, {**COMPLETION, "prompt": _SURROGATE}, "prompt"),
-    "prompt list": (C, {**COMPLETION, "prompt": [_SURROGATE]}, "prompt"),
-    "stop": (U, {**CHAT, "stop": _SURROGATE}, "stop"),
-    "stop list": (C, {**COMPLETION, "stop": ["ok", _SURROGATE]}, "stop"),
-    # Echoed in the error message: the refusal itself must still be encodable.
-    "model": (U, {**CHAT, "model": _SURROGATE}, None),
-    "unknown field": (U, {**CHAT, _SURROGATE: 1}, None),
-}
-
-
-@pytest.mark.parametrize("case", list(_SURROGATES))
-def test_a_lone_surrogate_is_refused_naming_its_field(http, case):
-    path, body, param = _SURROGATES[case]
-    text = json.dumps(body)
-    assert "\\ud800" in text  # sent as the escape, as an attacker's raw body would have it
-    _error(_post(http, path, text), param=param)
-
-
-@pytest.mark.parametrize("name", ["bob", 7, {"first": "bob"}])
-def test_a_message_name_is_refused_not_dropped(http, name):
-    body = {**CHAT, "messages": [{"role": "user", "content": "hi", "name": name}]}
-    _error(_post(http, U, body), 400, param="messages[0].name", code="unsupported_parameter")
-
-
-# -------------------------------------------------------------------------------------------------- type fuzzing
-
-# Values of every JSON type, as raw JSON text: NaN and Infinity are tokens Python's json reads, 1e400 overflows a
-# double, 2**70 an int64.
-_VALUES = ["null", "true", "1", "1.5", '"x"', "[]", "[[[]]]", "{}", "NaN", "Infinity", "1e400", str(2 ** 70)]
-_OPTIONAL = {"max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-             "prediction", "lookup", "user", "metadata", "frequency_penalty", "presence_penalty", "logprobs", "store"}
-# Values that are valid for a field: not sent (the valid bodies below cover such requests; a null budget would
-# generate up to the model's context).
-_VALID = {"content": {'"x"'}, "prompt": {'"x"'}, "max_tokens": {"1", "null"}, "max_completion_tokens": {"1", "null"},
-          "temperature": {"1", "1.5"}, "top_p": {"1"}, "seed": {"1"}, "stop": {'"x"'}, "stream": {"true"},
-          "n": {"1"}, "lookup": {"true"}, "user": {'"x"'}, "metadata": {"{}"}}
-# Values a correct server may accept or refuse: only "no 5xx" is asserted. null for an optional field (OpenAI's
-# schema makes most of them nullable), an empty list of stops or of content parts, a seed past int64.
-_EITHER = {"content": {"[]"}, "stop": {"[]"}, "seed": {str(2 ** 70)}}
-
-
-def _fuzz_cases(kind: str):
-    base = CHAT if kind == "chat" else COMPLETION
-    fields = ["model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-              "prediction", "lookup", "user", "metadata", "frequency_penalty", "presence_penalty", "logprobs", "store"]
-    fields += ["messages", "role", "content", "max_completion_tokens"] if kind == "chat" else ["prompt"]
-    for name in fields:
-        body = copy.deepcopy(base)
-        if name == "role":
-            body["messages"] = [{"role": "__FUZZ__", "content": "hi"}]
-            param = "messages"
-        elif name == "content":
-            body["messages"] = [{"role": "user", "content": "__FUZZ__"}]
-            param = "messages"
-        else:
-            if name == "max_completion_tokens":
-                del body["max_tokens"]  # the smaller of the two budgets holds: this one alone
-            body[name] = "__FUZZ__"
-            param = name
-        template = json.dumps(body)
-        for value in _VALUES:
-            if value in _VALID.get(name, ()):
-                continue
-            either = value in _EITHER.get(name, ()) or (value == "null" and name in _OPTIONAL)
-            yield name, value, param, template.replace('"__FUZZ__"', value), either
-
-
-@pytest.mark.parametrize("kind", ["chat", "completion"])
-def test_every_field_of_every_wrong_type_gets_a_4xx_with_openais_body(http, kind):
-    path = U if kind == "chat" else C
-    failures, sent = [], 0
-    for name, value, param, text, either in _fuzz_cases(kind):
-        r = _post(http, path, text)
-        sent += 1
-        where = f"{name}={value}: {r.status_code} {r.text[:200]}"
-        if r.status_code == 200 and either:
-            continue
-        try:
-            error = _error(r)
-        except (AssertionError, ValueError, KeyError) as err:
-            failures.append(f"{where} ({err})")
-            continue
-        # The error names the field at fault (or, for an over-long budget, what does not fit beside it).
-        allowed = {param} | ({"messages", "prompt"} if name in ("max_tokens", "max_completion_tokens") else set())
-        named = error["param"]
-        if named is not None and re.split(r"[.\[]", named)[0] not in allowed and error["code"] != "invalid_json":
-            failures.append(f"{where} (names {named!r}, not {param!r})")
-    assert sent > 150
-    assert not failures, f"{len(failures)} of {sent} bodies answered wrongly:\n" + "\n".join(failures)
-
-
-# Valid, if unusual: each must get its answer, not a refusal.
-_GOOD = [
-    (U, {**CHAT, "stop": "zzz"}),
-    (U, {**CHAT, "stop": ["zzz", "yyy"]}),
-    (U, {k: v for k, v in CHAT.items() if k != "max_tokens"} | {"max_completion_tokens": 1}),
-    (U, {**CHAT, "max_completion_tokens": 1}),
-    (U, {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text",
-                                                                                        "text": "i"}]}]}),
-    (U, {**CHAT, "messages": [{"role": "developer", "content": "Be brief."}, *HI]}),
-    (U, {**CHAT, "messages": [{"role": "system", "content": "Be brief."}, *HI, {"role": "assistant", "content": "Hi!"},
-                              {"role": "user", "content": "Again."}]}),
-    (U, {**CHAT, "messages": [{"role": "user", "content": "smile \U0001F600, nul \x00, tab \t."}]}),
-    (U, {**CHAT, "prediction": {"type": "content", "content": [{"type": "text", "text": "Hello"}]}}),
-    (U, {**CHAT, "seed": 0, "n": 1, "user": "someone", "metadata": {"k": "v"}, "store": False, "logprobs": False,
-         "frequency_penalty": 0, "presence_penalty": 0.0, "top_p": 1, "lookup": False}),
-    (U, {**CHAT, "temperature": 0.7, "top_p": 0.5, "seed": 3}),
-    (U, {**CHAT, "stream": False}),
-    (C, {**COMPLETION, "stop": "zzz"}),
-    (C, {**COMPLETION, "prompt": ["One, two,"]}),
-    (C, {**COMPLETION, "prediction": {"type": "content", "content": "three"}, "seed": 1, "user": "u"}),
-]
-
-
-@pytest.mark.parametrize("path, body", _GOOD, ids=[f"{p.split('/')[-1]}-{i}" for i, (p, _) in enumerate(_GOOD)])
-def test_valid_unusual_bodies_get_their_answer(http, path, body):
-    assert isinstance(_answer(_post(http, path, body)), str)
+def test_the_list_covers_every_family_and_fuzzes_every_field():
+    families = Counter(case.family for case in CASES)
+    assert set(families) == {"nested", "role", "surrogate", "name", "fuzz-chat", "fuzz-completion", "range",
+                             "refused", "answered"}
+    assert families["fuzz-chat"] > 150 and families["fuzz-completion"] > 150
+    assert len({case.name for case in CASES}) == len(CASES)
+    for kind in ("chat", "completion"):
+        fuzzed = {case.name.split("/")[1].split("=")[0] for case in CASES if case.family == f"fuzz-{kind}"}
+        assert set(attacks.FUZZ_FIELDS) < fuzzed
 
 
 def test_a_stream_with_usage_is_valid(http):
@@ -389,7 +224,7 @@ def test_huge_prompts_are_refused_while_health_keeps_answering(http, server):
         with httpx.Client(timeout=180) as client:
             answers[i] = client.post(url + C, content=body, headers={"content-type": "application/json"})
 
-    with _HealthWatch(url) as watch:
+    with attacks.HealthWatch(url) as watch:
         time.sleep(0.3)
         senders = [threading.Thread(target=send, args=(i,)) for i in range(2)]
         for sender in senders:
@@ -398,7 +233,7 @@ def test_huge_prompts_are_refused_while_health_keeps_answering(http, server):
             sender.join(timeout=240)
     for r in answers:
         _error(r, code="context_length_exceeded")
-    watch.check(at_least=2)  # a server that refuses such a prompt by its size alone answers fast
+    assert watch.problems(HEALTH_BOUND_S, at_least=2) == []  # a server refuses such a prompt by its size, fast
 
 
 def test_health_answers_while_a_request_is_generated(http, server):
@@ -407,11 +242,11 @@ def test_health_answers_while_a_request_is_generated(http, server):
             "max_tokens": 40, "temperature": 0, "lookup": False}
     result = {}
     worker = threading.Thread(target=lambda: result.setdefault("r", _post(http, U, body)))
-    with _HealthWatch(url) as watch:
+    with attacks.HealthWatch(url) as watch:
         worker.start()
         worker.join(timeout=180)
     assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 40
-    watch.check()
+    assert watch.problems(HEALTH_BOUND_S, at_least=3) == []
 
 
 # ------------------------------------------------------------------------------------------- OpenAI's semantics
