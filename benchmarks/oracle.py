@@ -27,8 +27,9 @@ class OracleDrafter(Drafter):
         self.answer = list(answer)
 
     def start(self, prompt: Sequence[int], eos_ids: Iterable[int] = (), *, prediction: Sequence[int] | None = None,
-              reproducible: bool = False) -> OracleSession:
-        """A session for one request; the prompt, EOS ids and prediction change nothing (the answer is known)."""
+              reproducible: bool = False, client: str | None = None, use_cache: bool = True) -> OracleSession:
+        """A session for one request; the prompt, EOS ids, prediction and cache change nothing (the answer is
+        known)."""
         session = OracleSession(self.answer, self.drafter_config.max_draft)
         session.reproducible = bool(reproducible)
         return session

@@ -249,7 +249,7 @@ class _PromptLookupDrafter(Drafter):
         super().__init__(DrafterConfig(max_draft=num_tokens, max_n=max_ngram, adaptive=False, use_cache=False,
                                        calibrate=False))
 
-    def start(self, prompt, eos_ids=(), *, prediction=None, reproducible=False):
+    def start(self, prompt, eos_ids=(), *, prediction=None, reproducible=False, client=None, use_cache=True):
         return _PromptLookupSession(prompt, self.drafter_config, eos_ids)
 
 
@@ -466,8 +466,9 @@ class _HindsightDrafter(Drafter):
         self.inner, self.answer, self.choose = inner, answer, choose
         self.session, self.start_len = None, 0
 
-    def start(self, prompt, eos_ids=(), *, prediction=None, reproducible=False):
-        self.session = self.inner.start(prompt, eos_ids, prediction=prediction, reproducible=reproducible)
+    def start(self, prompt, eos_ids=(), *, prediction=None, reproducible=False, client=None, use_cache=True):
+        self.session = self.inner.start(prompt, eos_ids, prediction=prediction, reproducible=reproducible,
+                                        client=client, use_cache=use_cache)
         self.start_len = len(self.session.index)  # the index then grows by exactly the committed output
         return self.session
 
