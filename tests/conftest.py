@@ -102,9 +102,10 @@ def _tiny(kind: str, vocab_size: int = 96, seed: int = 0, peak: float = 1.0):
 # LOOKUPDEC_TEST_PASS_COSTS=dear|cheap: every measured pass-cost profile, and every timed pass the drafters learn
 # from, priced far too dear (a drafted pass costs 20 plain steps and more) or far too cheap (as a plain step), as on
 # a machine far slower or faster than this one. A test whose verdict changes is one that depends on timings, and
-# sets its costs by hand instead (helpers_costs.py). The tests of the measurement and the fit themselves, which
-# feed their own timings, fail under it by construction (tests/test_calibration.py: the measured profile, the
-# failed measurement, the refinement; tests/test_drafter.py: the fit and the guard).
+# sets its costs by hand instead (helpers_costs.py). The tests of the measurement and of the fit themselves, which
+# measure or feed timings of their own, fail under it by construction: in tests/test_calibration.py the measured
+# profile, the failed measurement, the profile six times too dear, the refinement and the profile set by hand; in
+# tests/test_drafter.py the fit's shape and the guard.
 _PRICING = os.environ.get("LOOKUPDEC_TEST_PASS_COSTS")
 
 
