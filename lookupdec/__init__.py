@@ -9,7 +9,7 @@ target's distribution exactly.
     ids = model.generate(**inputs, assistant_model=LookupDrafter())   # transformers' loop
 """
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
 
 # Attributes resolve lazily so `import lookupdec` (and the CLI's --help) does not pay for torch and numba.
 _EXPORTS = {
@@ -21,7 +21,6 @@ _EXPORTS = {
     "Drafter": ("drafter", "Drafter"),
     "DrafterConfig": ("drafter", "DrafterConfig"),
     "RollingCache": ("cache", "RollingCache"),
-    "NgramIndex": ("index", "NgramIndex"),
     "load_model": ("models", "load_model"),
     "TraceRecorder": ("trace", "TraceRecorder"),
     "LookupdecError": ("errors", "LookupdecError"),

@@ -39,8 +39,8 @@ def atomic_write(path: str | os.PathLike, *, binary: bool = False, backup: bool 
     copy; its data is fsynced before the rename, or a crash could leave an empty file under the real name. The new
     file keeps the mode of the file it replaces, else gets the mode a plain ``open`` would give it: the temporary
     file is created 0o666 less the umask, which the kernel applies (``mkstemp`` would make it private, and reading
-    the umask means setting it, which races other threads). ``backup``: the old file is first copied, atomically too, to ``path.bak``.
-    Text is written as UTF-8 with newlines untranslated. The folder must exist.
+    the umask means setting it, which races other threads). ``backup``: the old file is first copied, atomically
+    too, to ``path.bak``. Text is written as UTF-8 with newlines untranslated. The folder must exist.
     """
     path = Path(path)
     folder = path.parent

@@ -7,7 +7,10 @@
   ``stable_temperature`` swaps transformers' temperature warper for :class:`StableTemperatureLogitsWarper`, which
   gives the distribution a temperature names for every temperature, however small.
 - :func:`target_forward`: one pass of the target on a ``DynamicCache`` (:func:`rollback_cache`), under whichever
-  names this transformers version gives the cache and ``logits_to_keep``.
+  names this transformers version gives the cache and ``logits_to_keep``; :func:`crop_cache` drops a pass's
+  rejected slots.
+- :func:`known_stateless`: whether a list of logits processors holds no state from one call to the next (the
+  verification may then run them on positions whose tokens are then rejected).
 - :class:`BlockLayer`: a full-attention cache layer that grows in blocks instead of reallocating at every pass.
 - :func:`gather_cache_slots`, :func:`append_cache_rows`: moving a batch's cache slots (the batch loop's compaction)
   and adding a request's rows to a running batch, through the cache layers.
@@ -30,6 +33,7 @@ import torch
 import transformers
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StaticCache, StoppingCriteriaList
 from transformers.cache_utils import DynamicLayer
+from transformers.generation import logits_process
 from transformers.generation.logits_process import LogitsProcessor, TemperatureLogitsWarper
 
 TESTED = ((5, 24), (6, 0))  # >= 5.24, < 6: the range the tests run on (pyproject.toml admits older ones for the
@@ -64,8 +68,8 @@ class Resolved:
     do_sample: bool
 
     def stop(self, step_tokens, seq: torch.Tensor, cur: int, budget: int) -> tuple:
-        """``(done, keep)`` for a pass that appends ``step_tokens`` after ``cur`` committed tokens of ``seq``
-        [1, length] (already written there), with ``budget`` new tokens left: keep the first ``keep``, and end
+        """``(done, kept)`` for a pass that appends ``step_tokens`` after ``cur`` committed tokens of ``seq``
+        [1, length] (already written there), with ``budget`` new tokens left: commit the first ``kept``, and end
         generation there (``done``) at the first EOS, at the budget, or where a stopping criterion (stop strings,
         user criteria) first fires."""
         for i, token in enumerate(step_tokens):
@@ -73,11 +77,28 @@ class Resolved:
                 return True, i
             if token in self.eos_ids:
                 return True, i + 1
-            if self.stopping is not None and bool(self.stopping(seq[:, : cur + i + 1], None).any()):
+            if self.criteria_hit(seq[:, : cur + i + 1]):
                 return True, i + 1
             if i + 1 == budget:
                 return True, i + 1
         return False, len(step_tokens)
+
+    def criteria_hit(self, seq: torch.Tensor) -> bool:
+        """Whether a stopping criterion (stop strings, the user's) fires on ``seq`` [1, length]. The criteria get
+        ``scores=None``, as ``model.generate``'s do unless ``return_dict_in_generate=True, output_scores=True``
+        (which lookupdec does not support); a criterion that fails on ``None`` is refused with a message saying
+        so."""
+        if self.stopping is None:
+            return False
+        try:
+            return bool(self.stopping(seq, None).any())
+        except (TypeError, AttributeError) as err:
+            if "NoneType" not in str(err):
+                raise
+            raise TypeError(f"a stopping criterion failed ({type(err).__name__}: {err}): lookupdec.generate passes "
+                            f"scores=None to stopping criteria, as model.generate does without "
+                            f"output_scores=True, which lookupdec does not support; a criterion that reads the "
+                            f"scores cannot run here") from err
 
     @property
     def pad_token_id(self) -> int:
@@ -150,6 +171,31 @@ def resolve_generation(
     eos = config._eos_token_tensor
     eos_ids = frozenset(int(t) for t in eos.flatten().tolist()) if eos is not None else frozenset()
     return Resolved(config, processors, stopping, eos_ids, bool(config.do_sample))
+
+
+# transformers' logits processors that hold no state from one call to the next: their ``__call__`` changes nothing
+# of theirs but the device of their own constants (or prepares them once, the same way every time), so calling one
+# on a position whose token is then rejected changes none of its later calls. Exact types: a subclass may add state.
+# Not here: classifier-free guidance (runs the model on its own cache, one token per call), SynthID watermarking
+# (keeps a context across calls), prefix_allowed_tokens_fn (calls user code), and every processor of the user's own.
+_STATELESS_PROCESSORS = frozenset(
+    cls for cls in (getattr(logits_process, name, None) for name in (
+        "EncoderNoRepeatNGramLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor", "EpsilonLogitsWarper",
+        "EtaLogitsWarper", "ExponentialDecayLengthPenalty", "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "LogitNormalization",
+        "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "MinPLogitsWarper",
+        "NoBadWordsLogitsProcessor", "NoRepeatNGramLogitsProcessor", "RepetitionPenaltyLogitsProcessor",
+        "SequenceBiasLogitsProcessor",
+        "SuppressTokensAtBeginLogitsProcessor", "SuppressTokensLogitsProcessor", "TemperatureLogitsWarper",
+        "TopHLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TypicalLogitsWarper", "WatermarkLogitsProcessor",
+    )) if cls is not None)
+
+
+def known_stateless(processors) -> bool:
+    """Whether every processor of ``processors`` is one of transformers' (or lookupdec's) that hold no state from
+    one call to the next. Others may (classifier-free guidance, SynthID watermarking, any of the user's own): the
+    decoding loop calls them only on positions whose tokens it commits, in order, as ``model.generate`` does."""
+    return all(type(p) in _STATELESS_PROCESSORS or type(p) is StableTemperatureLogitsWarper for p in processors)
 
 
 class StableTemperatureLogitsWarper(LogitsProcessor):
@@ -321,17 +367,31 @@ def _set_rooms(layer, key_room: torch.Tensor, value_room: torch.Tensor, slots: i
     layer.keys, layer.values = key_room[:, :, :slots], value_room[:, :, :slots]
 
 
-def target_forward(model, ids: torch.Tensor, cache, keep: int, params: frozenset, mask=None,
+def target_forward(model, ids: torch.Tensor, cache, n_logits: int, params: frozenset, mask=None,
                    positions=None) -> torch.Tensor:
-    """One target pass over ``ids`` [rows, n] on ``cache``; returns the last ``keep`` logits of each row
-    [rows, keep, vocab]. Batches pass a 2-D ``mask`` over cache + new slots and each row's ``positions``."""
-    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in params else {}
+    """One target pass over ``ids`` [rows, n] on ``cache``; returns the last ``n_logits`` logits of each row
+    [rows, n_logits, vocab]. Batches pass a 2-D ``mask`` over cache + new slots and each row's ``positions``."""
+    kwargs = {"logits_to_keep": n_logits} if "logits_to_keep" in params else {}
     # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40).
     kwargs["cache" if "cache" in params else "past_key_values"] = cache
     if mask is not None:
         kwargs.update(attention_mask=mask.long(), position_ids=positions)
     out = model(input_ids=ids, use_cache=True, **kwargs)
-    return out.logits[:, -keep:]
+    return out.logits[:, -n_logits:]
+
+
+def crop_cache(cache, slots: int) -> None:
+    """Drop the last ``slots`` slots of every row of ``cache`` (a pass's rejected positions and filler). With none
+    to drop, no full-attention or static layer is cropped at all (transformers before 5.24 read ``crop(0)`` as
+    "keep no token"); layers that record their past while a draft is pending (sliding-window and linear-attention
+    layers of a :func:`rollback_cache`) are still trimmed back to what the next pass needs, which is what their
+    ``crop(0)`` does, and what transformers' own assisted decoding runs after every pass."""
+    if slots > 0:
+        cache.crop(-slots)
+        return
+    for layer in cache.layers:
+        if getattr(layer, "record_past", False):
+            layer.crop(0)
 
 
 def append_cache_rows(cache: DynamicCache, other: DynamicCache) -> None:

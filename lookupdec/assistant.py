@@ -30,8 +30,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
-from . import _transformers  # noqa: F401  (checks the transformers version this contract was tested on)
-from .drafter import DraftSession, Drafter
+from . import _transformers  # noqa: F401 - imported for its check of the transformers version
+from .drafter import Drafter, DraftSession
 
 
 class _TargetVocab:

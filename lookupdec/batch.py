@@ -1,8 +1,22 @@
-"""Ragged batches: ``input_ids`` [B, L], left-padded, with ``attention_mask``.
+"""A running batch: rows of a lookup decoding that share one target pass per step.
 
-One target pass per step serves every row. Each row drafts from its own session; the drafter's driver picks one
-draft length for the batch (``Drafter.propose``: the pass is as wide as its longest draft, so every row may fill
-that width) and shorter drafts are padded with masked filler.
+Each step is draft -> one target forward -> verify -> commit, cropping the KV cache on rejection. Invariant
+between steps: the KV cache holds every committed token of a row except its last one, ``last``. A step feeds
+``[last, x_0 .. x_{d-1}]`` (``d + 1`` tokens) per row and gets ``d + 1`` rows of logits back: row ``pos`` predicts
+the token after draft position ``pos - 1``. The verifier keeps ``accepted`` drafted tokens and adds one target
+token; the cache drops the ``d - accepted`` rejected positions, and that target token becomes the new ``last``.
+Drafting goes through the drafter's propose/commit driver (``Drafter.propose``, ``DraftSession.commit``),
+verification through ``verify.py``.
+
+Model-agnostic: it needs a transformers causal LM whose cache can be cropped (``DynamicCache``), and nothing
+about its architecture. Sliding-window layers keep their past while a draft is pending (transformers'
+``activate_past_recording``), so cropping restores them too. On a ``StaticCache`` (``cache_implementation=
+"static"``) a pass writes in place and cropping moves the write position back: the rejected slots lie after every
+later query's position, so they are masked until the next pass overwrites them.
+
+Rows are ragged: ``input_ids`` [B, L], left-padded, with ``attention_mask``. The drafter's driver picks one draft
+length for the batch (``Drafter.propose``: the pass is as wide as its longest draft, so every row may fill that
+width) and shorter drafts are padded with masked filler.
 Rows accept different numbers of tokens, and ``DynamicCache`` appends the same number of slots to every row, so
 the cache keeps, per step, as many new slots as the row that accepted most needs; the other rows' extra slots
 stay behind as *holes*, masked out in the 2-D attention mask, and each row's ``position_ids`` count only its real
@@ -19,29 +33,25 @@ Holes are squeezed out (``_compact``: a gather that moves each row's tokens to t
 the real tokens, so memory stays proportional to the longest row. Finished rows (EOS, budget, stopping criteria)
 leave the batch (``batch_select_indices``) and cost nothing more. Per row, outputs are token-identical to
 single-sequence generation, and sampling uses the exact rule per row (one generator, drawn row after row:
-independent draws).
+independent draws). One row whose cache holds no hole or padding runs *unmasked*: its passes are a single-sequence
+generation's (no mask, no positions).
 
-:class:`BatchRun` holds a running batch. :func:`generate_batch` prefills its rows together and steps until all
-are done. ``lookupdec serve`` lets requests join between steps and leave when done or cancelled, each with its own
-settings (greedy, or sampling with its own seed):
+:class:`BatchRun` holds a running batch: :func:`lookupdec.generate` (``loop.py``) prefills its rows together and
+steps until all are done; ``lookupdec serve`` (``serve/scheduler.py``) lets requests join between steps and leave
+when done or cancelled, each with its own settings (greedy, or sampling with its own seed):
 
 - **Joining.** A request's prompt is prefilled alone, on a cache of its own, exactly as a single-row generation
-  prefills it (in one pass, or in chunks: :meth:`BatchRun.enqueue`, :meth:`BatchRun.prefill_pending`); its first
-  token is picked from the last pass, and its cache rows are appended to the batch's (the shorter side
-  left-padded with masked slots). Beside running requests a long prompt is prefilled in chunks paid for by
-  their steps (each step earns a quarter of its time: :data:`BUSY_STEP_SHARE`), so they decode at about 1.25x
-  their pace alone instead of stalling for its whole prefill; with nothing running it is prefilled in chunks of
-  about 0.25 s (:data:`LONE_CHUNK_S`; longer late in a long prompt, :data:`LONE_CHUNK_MIN`), so a request
-  arriving meanwhile soon joins. Chunking changes no output: a chunk's queries see the keys before it and its
-  own causally, as in one pass (the tests compare greedy outputs with plain ``generate``, on tiny models and
-  SmolLM2).
+  prefills it (in one pass, :meth:`BatchRun.join`, or in chunks, :meth:`BatchRun.prefill_chunk`); its first token
+  is picked from the last pass, and its cache rows are appended to the batch's (the shorter side left-padded with
+  masked slots). Chunking changes no output: a chunk's queries see the keys before it and its own causally, as in
+  one pass (the tests compare greedy outputs with plain ``generate``, on tiny models and SmolLM2).
 - **Failures are the row's own.** A join that fails leaves the batch as it was. An exception that belongs to one
   row (its verification or logits processors, its drafting session, its ``on_commit`` callback) ends that row
   (:attr:`Row.error`) and removes it from the batch; the others go on, unchanged. Only a failure of what the rows
   share (the forward pass, the cache) fails the batch.
 - **Sliding-window models** (a window counts cache slots, and holes would shrink it) run one row at a time
-  (:attr:`BatchRun.single`), on a cache that can roll back (:func:`~lookupdec._transformers.rollback_cache`),
-  as a single-row generation runs them; :func:`generate_batch` runs them only as a batch of one.
+  (:attr:`BatchRun.one_at_a_time`), on a cache that can roll back (:func:`~lookupdec._transformers.rollback_cache`),
+  as a single-row generation runs them; :func:`lookupdec.generate` runs them only as a batch of one.
 
 On a **static cache** (``cache_implementation="static"``: transformers' ``StaticCache``, preallocated, written in
 place at one write position for all rows) the same bookkeeping holds: the holes stay where they are (they cost no
@@ -63,6 +73,7 @@ from ._device import host_buffer, input_device, synchronize
 from ._transformers import (
     append_cache_rows,
     batch_cache,
+    crop_cache,
     forward_params,
     gather_cache_slots,
     rollback_cache,
@@ -72,49 +83,15 @@ from ._transformers import (
 )
 from .drafter import EMPTY
 from .policy import padded_width
-from .stats import GenerationStats, LookupOutput
+from .stats import GenerationStats
 from .verify import greedy_verdict
 
 _COMPACT_SLACK = 64  # cache slots of holes tolerated beyond the longest row's tokens, before compacting
-
-# Chunked prefill (the server's joins). A pass also pays a fixed cost whatever its width (on a CPU, reading every
-# weight once: ~0.05-0.1 s for SmolLM2-135M in fp32 on 2 cores, more than a step of a short request), so chunks
-# are sized by time, from the last prefill pass's rate (its tokens per second):
-# - while rows decode, a long prompt is prefilled on credit: each decoding step earns BUSY_STEP_SHARE of its own
-#   time, and a chunk runs once the credit pays for CHUNK_MIN tokens at that rate, spending what the chunk
-#   measured (a chunk that overruns leaves a debt). The running requests so decode at about 1 + BUSY_STEP_SHARE
-#   times their pace alone, however dear a pass is; a chunk per step instead cost each step a whole pass
-#   (measured: a 16-token request beside an 8k-token prefill took 2.8x its time alone, 2 of it from that). The
-#   credit starts at zero when rows start decoding and holds at most BUSY_CHUNK_S, so a chunk never delays a
-#   step by more than about that;
-# - while none does, LONE_CHUNK_S seconds' worth, and at least LONE_CHUNK_MIN tokens: a request that arrives
-#   meanwhile waits about that long, not for the whole prompt, and a prompt that fits (every prompt on a GPU; on a
-#   CPU a few hundred tokens) is prefilled in one pass. The floor is there because a pass's fixed part grows with
-#   the context it attends to: SmolLM2-135M, one thread, at 1,000 tokens of context 8 more tokens take 0.12 s and
-#   256 take 0.66 s; at 7,000, 0.42 s and 2.1 s. Chunks cut to 0.2 s each in tokens fell to 16 tokens of 0.46 s
-#   late in an 8k prompt, which then took 155 s instead of 80 s; with the floor, a chunk late in such a prompt
-#   takes about 0.7 s (what a request arriving then may wait) and the prompt about 70 s. None: whole prompts (a
-#   lone request pays nothing; one that arrives meanwhile waits for the whole prefill).
-CHUNK_MIN = 16
-CHUNK_MAX = 512
-BUSY_STEP_SHARE = 0.25
-BUSY_CHUNK_S = 0.2
-# A prompt of at most this many tokens is prefilled in one pass whatever the budget, and needs no credit: its
-# neighbours wait one pass, as for every join before chunking. Cut into step-sized chunks, each a pass that reads
-# every weight, such prompts cost far more: 8 concurrent requests of 165-230-token prompts on one CPU thread fell
-# from 55 to 31 tok/s.
-WHOLE_PROMPT = 512
-LONE_CHUNK_S: float | None = 0.25
-LONE_CHUNK_MIN = 48
-_CHUNK_FIRST = 128  # the budgets before any prefill pass was timed
-_LONE_FIRST = 512
-
 
 # Pass widths on a static cache (draft + 1 tokens, padded up to the next of these): a compiled forward keeps a
 # graph per width, and on a GPU a CUDA graph per width, so few widths and always the same; powers of two waste at
 # most half a pass's tokens on filler. A draft longer than 63 tokens (max_draft up to 256) pads to 128 or 256.
 STATIC_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-STATIC_BLOCK = 256  # a static cache holds prompt + max_new_tokens slots, rounded up to whole blocks
 
 
 def static_width(span: int, room: int) -> int:
@@ -122,6 +99,7 @@ def static_width(span: int, room: int) -> int:
     :data:`STATIC_WIDTHS`, or ``span`` itself where the padding would not fit (the last passes of a full cache)."""
     width = padded_width(span, STATIC_WIDTHS)
     return width if width <= room else span
+
 
 
 class Row:
@@ -135,9 +113,9 @@ class Row:
     Once done, :attr:`finish_reason` says why: ``"stop"`` (EOS or a stopping criterion), ``"length"``,
     ``"cancelled"``, or ``"error"`` (then :attr:`error` holds the exception, and the row's session is left
     unfinished: nothing of a failed row joins the rolling cache). A done row finishes its session (its output
-    joins the rolling cache), except one that ended by itself while :attr:`hold_session` is set: its owner then
-    calls :meth:`finish_session` once it knows how much of the output it used (the server: after looking for stop
-    strings in the text).
+    joins the rolling cache, all of it or the first :attr:`used` tokens), except one that ended by itself while
+    :attr:`hold_session` is set: its owner then calls :meth:`finish_session` once it knows how much of the output
+    it used (the server: once the client was sent the answer, or left).
     """
 
     def __init__(self, prompt: torch.Tensor, resolved, session, max_new_tokens: int, pick: Callable, *,
@@ -154,7 +132,7 @@ class Row:
         self.on_commit = on_commit
         self.owner = owner  # the caller's handle on this row (the server's request)
         self.cancelled = False
-        self.keep: int | None = None  # cancel(keep=n): only the first n generated tokens reached the caller
+        self.used: int | None = None  # only the first ``used`` generated tokens reached the caller (None: all)
         self.hold_session = False
         self.held = False  # the row ended by itself with hold_session set: its session awaits finish_session()
         self.finish_reason = None
@@ -192,17 +170,18 @@ class Row:
         """The tokens generated so far [n]."""
         return self.seq[0, self.start: self.cur]
 
-    def cancel(self, keep: int | None = None) -> None:
-        """End this row at the next step (safe from any thread). ``keep``: only the first ``keep`` generated
-        tokens were used (a stop string ended the answer there), so only they join the rolling cache; several
-        calls keep the smallest."""
-        self.keep_at_most(keep)
+    def cancel(self, used: int | None = None) -> None:
+        """End this row at the next step (safe from any thread). ``used``: only the first ``used`` generated
+        tokens reached the caller (a stop string ended the answer there, or the client left), so only they join
+        the rolling cache; several calls keep the smallest (:meth:`limit_used`)."""
+        self.limit_used(used)
         self.cancelled = True
 
-    def keep_at_most(self, keep: int | None) -> None:
-        """Only the first ``keep`` generated tokens were used (None: no limit); the smallest limit given holds."""
-        if keep is not None:
-            self.keep = keep if self.keep is None else min(self.keep, keep)
+    def limit_used(self, used: int | None) -> None:
+        """Only the first ``used`` generated tokens reached the caller (None: no limit); the smallest limit given
+        holds."""
+        if used is not None:
+            self.used = used if self.used is None else min(self.used, used)
 
     def verdict(self, logits: torch.Tensor, draft: np.ndarray):
         return self.pick(logits, draft, self.process, self.generated)
@@ -215,18 +194,18 @@ class Row:
         ``True`` when the row is done."""
         cancelled = self.cancelled  # read once: another thread may set it meanwhile
         if cancelled:
-            done, keep, self.finish_reason = True, 0, "cancelled"
+            done, kept, self.finish_reason = True, 0, "cancelled"
         else:
             n_new = len(self.step_tokens)
             self.seq[0, self.cur + n_new - 1] = self.step_tokens[-1]
-            done, keep = self.resolved.stop(self.step_tokens, self.seq, self.cur, self.max_new_tokens - self.generated)
-        committed = self.step_tokens[:keep]
-        self.cur += keep
+            done, kept = self.resolved.stop(self.step_tokens, self.seq, self.cur, self.max_new_tokens - self.generated)
+        committed = self.step_tokens[:kept]
+        self.cur += kept
         if done and self.finish_reason is None:
             self.finish_reason = "stop" if self._stopped(committed) else "length"
-        self.stats.new_tokens += keep
+        self.stats.new_tokens += kept
         if self.trace is not None and not cancelled:
-            self.trace.step(self.draft.tolist(), len(self.step_tokens) - 1, self.step_tokens[-1], keep,
+            self.trace.step(self.draft.tolist(), len(self.step_tokens) - 1, self.step_tokens[-1], kept,
                             self.pass_seconds)
         if self.on_commit is not None:
             self.on_commit(committed, done)
@@ -242,9 +221,9 @@ class Row:
         return done
 
     def finish_session(self) -> None:
-        """End the session: its output joins the rolling cache, all of it or the first :attr:`keep` tokens."""
-        if self.keep is not None and self.keep < self.generated:
-            self.session.finish(max(self.keep, 0))
+        """End the session: its output joins the rolling cache, all of it or the first :attr:`used` tokens."""
+        if self.used is not None and self.used < self.generated:
+            self.session.finish(max(self.used, 0))
         else:
             self.session.finish()
 
@@ -257,17 +236,16 @@ class Row:
             return False
         if committed[-1] in self.resolved.eos_ids:
             return True
-        stopping = self.resolved.stopping
-        return stopping is not None and bool(stopping(self.seq[:, : self.cur], None).any())
+        return self.resolved.criteria_hit(self.seq[:, : self.cur])
 
 
 class BatchRun:
     """A running batch on one model and drafter: rows join (:meth:`prefill` for a starting set; :meth:`join` one
-    at a time between steps, or :meth:`enqueue` and :meth:`prefill_pending` for a prefill in chunks), each
-    :meth:`step` commits the last pass's tokens, lets finished rows go, and runs the next pass for the rest.
+    at a time between steps, or :meth:`prefill_chunk` for a prompt prefilled in chunks), each :meth:`step` commits
+    the last pass's tokens, lets finished rows go, and runs the next pass for the rest.
 
-    :attr:`single`: the run holds one row at a time and refuses a second: the model has sliding-window layers (its
-    cache is one that can roll back).
+    :attr:`one_at_a_time`: the run holds one row at a time and refuses a second: the model has sliding-window
+    layers (its cache is one that can roll back).
 
     ``static_slots``: the rows run on a preallocated cache of that many slots per row
     (:func:`~lookupdec._transformers.static_cache`, ``cache_implementation="static"``), each pass is padded to a
@@ -286,15 +264,14 @@ class BatchRun:
         self.static_slots = static_slots
         if static_slots is not None:
             static_cache(model, 1)  # refuses sliding-window models before anything runs
-            self.single = False
+            self.one_at_a_time = False
         else:
             try:
                 batch_cache(model)
-                self.single = False
+                self.one_at_a_time = False
             except NotImplementedError:  # sliding-window layers
-                self.single = True
+                self.one_at_a_time = True
         self.rows: list[Row] = []  # running rows, in cache order
-        self.joining: list[Row] = []  # rows whose prompt is being prefilled (enqueue), oldest first
         self.stats = GenerationStats()  # passes and model time of the whole batch
         # Cache bookkeeping: ``kv_mask[i, slot]`` says whether a cache slot holds one of row i's tokens;
         # ``counts[i]`` how many do, which is also the position of its last committed token, the one not yet in
@@ -303,12 +280,10 @@ class BatchRun:
         self.kv_mask = None
         self.counts = np.zeros(0, dtype=np.int64)
         self._feed = host_buffer(0, self.device)
-        self._seconds = 0.0  # the last pass's forward time
-        self.prefill_credit = 0.0  # seconds of prefill the decoding steps have paid for (busy_budget)
-        self.prefill_rate: float | None = None  # prompt tokens per second of the last prefill pass
+        self.last_pass_seconds = 0.0  # the forward time of the last pass (a step's, a prefill's or a chunk's)
         # One row whose cache holds no hole or padding: its passes run as a single-row generation's do, without a
         # mask or positions (which would make the model build a full attention mask every step).
-        self._solo = False
+        self._unmasked = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -317,9 +292,9 @@ class BatchRun:
         """Start an empty batch with ``rows`` prefilled in one pass, as plain batched generate does it: their
         prompts are ``input_ids`` [B, L], left padding masked out by ``mask``, positions counted from each row's
         start."""
-        if self.rows or self.joining:
+        if self.rows:
             raise RuntimeError("prefill starts an empty batch; use join() to add to a running one")
-        if self.single:
+        if self.one_at_a_time:
             raise NotImplementedError("a sliding-window model runs one row at a time; use join()")
         static = self.static_slots is not None
         cache = static_cache(self.model, self.static_slots) if static else batch_cache(self.model)
@@ -329,12 +304,12 @@ class BatchRun:
         ids = input_ids.to(self.device)
         logits = self._forward(ids, 1, cache, self._pass_mask(mask), positions)  # [batch, 1, vocab]
         for row in rows:
-            row.prefilled, row.prefill_seconds = row.prompt_len, self._seconds
+            row.prefilled, row.prefill_seconds = row.prompt_len, self.last_pass_seconds
         self._first_tokens(rows, logits)
         self.cache, self.rows = cache, list(rows)
         self.kv_mask = mask
         self.counts = lengths.cpu().numpy().astype(np.int64)
-        self._solo = False
+        self._unmasked = False
 
     # ------------------------------------------------------------------ joining
 
@@ -342,106 +317,35 @@ class BatchRun:
         """Add ``row`` to the batch before the next step: its prompt is prefilled alone in one pass (the pass a
         single-row generation runs), and its cache slots are appended to the batch's, the shorter side
         left-padded with masked slots. All or nothing: when this raises, the batch is as it was."""
-        self._check_room(row)
+        self.check_room(row)
         try:
-            self._prefill(row, row.prompt_len - row.prefilled)
+            self.prefill_chunk(row, row.prompt_len - row.prefilled)
         except BaseException:
             row.prefill_cache, row.prefilled, row.prefill_seconds = None, 0, 0.0
             raise
 
-    def enqueue(self, row: Row) -> None:
-        """Queue ``row`` to be prefilled by :meth:`prefill_pending`, which adds it to the batch once its prompt is
-        in."""
-        self._check_room(row)
-        self.joining.append(row)
-
-    def _check_room(self, row: Row) -> None:
-        if self.single and (self.rows or self.joining):
+    def check_room(self, row: Row, waiting=()) -> None:
+        """Raise unless ``row`` may join this run beside its running rows and the rows ``waiting`` to join."""
+        if self.one_at_a_time and (self.rows or waiting):
             raise RuntimeError("this run holds one row at a time (a sliding-window model)")
-        if self.static_slots is not None and (self.rows or self.joining):
+        if self.static_slots is not None and (self.rows or waiting):
             raise RuntimeError("a run on a static cache takes its rows at the start; it cannot join a running one")
-        if row in self.rows or row in self.joining:
+        if row in self.rows or row in waiting:
             raise ValueError("the row is in the batch already")
 
-    def busy_budget(self) -> int:
-        """Prompt tokens a round of prefill may spend while rows decode: what the credit the steps earned pays
-        for at the last prefill pass's rate, or 0 while that is under :data:`CHUNK_MIN` tokens (a pass that
-        reads every weight for a handful of tokens would cost the running rows more than it moves the prompt)."""
-        if self.prefill_rate is None:
-            return _CHUNK_FIRST
-        n = int(min(self.prefill_credit * self.prefill_rate, CHUNK_MAX))
-        if n >= CHUNK_MIN or self.prefill_credit >= BUSY_CHUNK_S:  # the second: a prefill slower than CHUNK_MIN
-            return max(n, CHUNK_MIN)  # tokens per BUSY_CHUNK_S still moves
-        return 0
-
-    def lone_budget(self) -> int | None:
-        """Prompt tokens a round of prefill may spend while no row decodes (:data:`LONE_CHUNK_S`); None: all of
-        them (also for a single-row run, which has nothing else to run meanwhile)."""
-        if self.single or self.static_slots is not None or LONE_CHUNK_S is None:
-            return None
-        if self.prefill_rate is None:
-            return _LONE_FIRST
-        return int(max(self.prefill_rate * LONE_CHUNK_S, LONE_CHUNK_MIN))
-
-    def prefill_pending(self) -> list[Row]:
-        """One round of prefill work, to run between two steps. A cancelled row stops prefilling at once. Then the
-        queued prompts, the shortest remainder first (the oldest first among equals), get passes until the round's
-        budget is spent: :meth:`busy_budget` while rows decode (it may be 0: the steps have not yet paid for a
-        chunk), else :meth:`lone_budget` (until a row joins). A prompt of at most :data:`WHOLE_PROMPT` tokens
-        goes in one pass whatever the budget. No tail chunk under :data:`CHUNK_MIN` tokens runs after another
-        pass of the round. A prompt whose prefill completes joins the batch, its first token picked as a
-        single-row generation picks it.
-
-        Returns the rows that ended here: cancelled ones (``finish_reason`` ``"cancelled"``) and failed ones
-        (:attr:`Row.error` set; the batch is as it was)."""
-        ended = []
-        for row in [row for row in self.joining if row.cancelled]:
-            self._unqueue(row)
-            row.finish_reason = "cancelled"
-            ended.append(row)
-        if not self.rows:
-            self.prefill_credit = 0.0  # credit is earned by steps beside a prefill, from when they start
-        spent = 0
-        for row in sorted(self.joining, key=lambda row: row.prompt_len - row.prefilled):
-            remaining = row.prompt_len - row.prefilled
-            busy = bool(self.rows)
-            budget = self.busy_budget() if busy else self.lone_budget()
-            whole = budget is None or (row.prefilled == 0 and row.prompt_len <= WHOLE_PROMPT)
-            n = remaining if whole else min(remaining, budget - spent)
-            if n <= 0 or (spent and n < min(remaining, CHUNK_MIN)):
-                continue  # a whole prompt later in the order still goes
-            try:
-                joined = self._prefill(row, n)
-            except Exception as err:  # noqa: BLE001 - the joining row's own failure: the batch goes on
-                self._unqueue(row)
-                row._fail(err)
-                ended.append(row)
-                continue
-            if joined:
-                self.joining.remove(row)
-            spent += n
-            if busy and not whole:
-                self.prefill_credit -= self._seconds  # what the chunk took, overrun included
-        return ended
-
-    def _unqueue(self, row: Row) -> None:
-        self.joining.remove(row)
-        row.prefill_cache = None
-
-    def _prefill(self, row: Row, n: int) -> bool:
+    def prefill_chunk(self, row: Row, n: int) -> bool:
         """Prefill the next ``n`` prompt tokens of ``row`` on its own cache; at the prompt's end, pick its first
-        token and add it to the batch (``True``)."""
+        token and add it to the batch (``True``). The row's cache is made at its first chunk; a row that will not
+        join after all drops it (``row.prefill_cache = None``)."""
         if row.prefill_cache is None:
             if self.static_slots is not None:
                 row.prefill_cache = static_cache(self.model, self.static_slots)
             else:
-                row.prefill_cache = rollback_cache(self.model) if self.single else batch_cache(self.model)
+                row.prefill_cache = rollback_cache(self.model) if self.one_at_a_time else batch_cache(self.model)
         start = row.prefilled
         logits = self._forward(row.prompt[:, start: start + n], 1, row.prefill_cache)  # [1, 1, vocab]
         row.prefilled += n
-        row.prefill_seconds += self._seconds
-        if self._seconds > 0:
-            self.prefill_rate = n / self._seconds
+        row.prefill_seconds += self.last_pass_seconds
         if row.prefilled < row.prompt_len:
             return False
         self._first_tokens([row], logits)
@@ -456,58 +360,54 @@ class BatchRun:
         if not self.rows:
             self.cache, self.kv_mask = cache, new_mask
             self.counts = np.array([row.prompt_len], dtype=np.int64)
-            self._solo = True
+            self._unmasked = True
         else:
             width = max(self.kv_mask.shape[1], row.prompt_len)
             kv_mask = torch.cat([_pad_left(self.kv_mask, width), _pad_left(new_mask, width)])
             counts = np.append(self.counts, row.prompt_len)
             append_cache_rows(self.cache, cache)
-            self.kv_mask, self.counts, self._solo = kv_mask, counts, False
+            self.kv_mask, self.counts, self._unmasked = kv_mask, counts, False
         self.rows.append(row)
         row.prefill_cache = None
 
     # ------------------------------------------------------------------ leaving
 
     def abandon(self) -> list[Row]:
-        """Drop every running row (after a failed pass the batch's cache is in no known state) and return them;
-        the rows being prefilled stay queued."""
+        """Drop every running row (after a failed pass the batch's cache is in no known state) and return them."""
         rows = self.rows
         self._reset()
         return rows
 
     def cut(self) -> list[Row]:
-        """End every row, running or being prefilled, and return them (the server is shutting down). What the
-        running rows generated joins the rolling cache, as a cancelled row's does."""
-        running, joining = self.rows, self.joining
-        for row in joining:
-            row.prefill_cache = None
-        self.joining = []
+        """End every running row and return them (the server is shutting down). What they generated joins the
+        rolling cache, as a cancelled row's does."""
+        running = self.rows
         self._reset()
         for row in running:
             try:
                 row.finish_session()
-            except Exception:  # noqa: BLE001,S110 - the rolling cache misses this output; the shutdown goes on
+            except Exception:  # the rolling cache misses this output; the shutdown goes on
                 pass
-        return running + joining
+        return running
 
     def _reset(self) -> None:
         self.rows, self.cache, self.kv_mask = [], None, None
         self.counts = np.zeros(0, dtype=np.int64)
-        self._solo = False
+        self._unmasked = False
 
     def _drop(self, gone: list[Row]) -> None:
         """Remove the rows ``gone`` from the batch and its cache."""
         if not gone:
             return
-        keep = [i for i, row in enumerate(self.rows) if not any(row is other for other in gone)]
-        if len(keep) == len(self.rows):
+        staying = [i for i, row in enumerate(self.rows) if not any(row is other for other in gone)]
+        if len(staying) == len(self.rows):
             return
-        if not keep:
+        if not staying:
             self._reset()
             return
-        select_cache_rows(self.cache, torch.tensor(keep, device=self.device))
-        self.kv_mask, self.counts = self.kv_mask[keep], self.counts[keep]
-        self.rows = [self.rows[i] for i in keep]
+        select_cache_rows(self.cache, torch.tensor(staying, device=self.device))
+        self.kv_mask, self.counts = self.kv_mask[staying], self.counts[staying]
+        self.rows = [self.rows[i] for i in staying]
 
     # ------------------------------------------------------------------ stepping
 
@@ -520,22 +420,22 @@ class BatchRun:
             try:
                 if row._commit():
                     ended.append(row)
-            except Exception as err:  # noqa: BLE001 - this row's failure (its stop rule, callback, session)
+            except Exception as err:  # this row's failure (its stop rule, callback, session)
                 row._fail(err)
                 ended.append(row)
         self._drop(ended)
         if not self.rows:
             return ended
-        solo = len(self.rows) == 1
-        longest, force = int(self.counts.max()), solo and not self._solo
+        alone = len(self.rows) == 1
+        longest, force = int(self.counts.max()), alone and not self._unmasked
         if self.static_slots is None:
             self.kv_mask = _compact(self.cache, self.kv_mask, longest, force=force)
         elif force or self.static_slots - self.kv_mask.shape[1] < max(row.max_new_tokens - row.generated
                                                                        for row in self.rows):
             # A static cache's holes cost no memory: they are squeezed out only when the next pass might not fit
-            # (a row may draft up to its budget's end), and when one row is left, which then runs solo.
+            # (a row may draft up to its budget's end), and when one row is left, which then runs unmasked.
             self.kv_mask = _compact(self.cache, self.kv_mask, longest, force=True)
-        self._solo = solo
+        self._unmasked = alone
         return ended + self._pass()
 
     def _propose(self) -> tuple:
@@ -556,7 +456,7 @@ class BatchRun:
             for row, limit in zip(self.rows, limits(self.rows)):
                 try:
                     self.drafter.propose([row.session], [limit])
-                except Exception as err:  # noqa: BLE001 - this row's session
+                except Exception as err:  # this row's session
                     row._fail(err)
                     failed.append(row)
             if not failed:
@@ -589,16 +489,13 @@ class BatchRun:
         feed_mask = torch.from_numpy(np.arange(span) <= lens[:, None]).to(self.device)  # [rows, span]
         for i, row in enumerate(rows):
             row.seq[0, row.cur: row.cur + lens[i]] = feed[i, 1: lens[i] + 1]
-        if self._solo:
+        if self._unmasked:
             logits = self._forward(feed, span, self.cache)
         else:
             positions = torch.from_numpy(self.counts[:, None] + np.arange(span)).to(self.device)
             mask = self._pass_mask(torch.cat([self.kv_mask, feed_mask], dim=1))
             logits = self._forward(feed, span, self.cache, mask, positions)
-        # A step beside a long prompt's prefill pays for a share of a chunk (busy_budget).
-        self.prefill_credit = min(self.prefill_credit + BUSY_STEP_SHARE * self._seconds, BUSY_CHUNK_S) \
-            if self.joining else 0.0
-        drafter.observe(len(rows), span - 1, self._seconds)
+        drafter.observe(len(rows), span - 1, self.last_pass_seconds)
 
         accepted = np.zeros(len(rows), dtype=np.int64)
         bad = []
@@ -608,14 +505,14 @@ class BatchRun:
                 bad.append(row)
                 continue
             row.stats.record(len(row.draft), verdict.accepted)
-            self._count_pass(row, self._seconds)
+            self._count_pass(row, self.last_pass_seconds)
             row.step_tokens = row.draft[: verdict.accepted].tolist() + [verdict.token]
             accepted[i] = verdict.accepted
         # Keep as many of the new slots as the row that accepted most needs; the other rows' extra slots in that
         # span stay in the cache as masked holes (compacted away once they pile up).
-        kept = int(accepted.max()) + 1
-        self.cache.crop(kept - span)
-        self.kv_mask = torch.cat([self.kv_mask, torch.from_numpy(np.arange(kept) <= accepted[:, None])
+        new_slots = int(accepted.max()) + 1
+        crop_cache(self.cache, span - new_slots)
+        self.kv_mask = torch.cat([self.kv_mask, torch.from_numpy(np.arange(new_slots) <= accepted[:, None])
                                   .to(self.device)], dim=1)
         self.counts = self.counts + accepted + 1
         self._drop(bad)
@@ -628,12 +525,12 @@ class BatchRun:
             return mask
         return torch.cat([mask, mask.new_zeros((mask.shape[0], self.static_slots - mask.shape[1]))], dim=1)
 
-    def _forward(self, ids, keep, cache, mask=None, positions=None) -> torch.Tensor:
+    def _forward(self, ids, n_logits, cache, mask=None, positions=None) -> torch.Tensor:
         t0 = time.perf_counter()
-        logits = target_forward(self.model, ids, cache, keep, self.params, mask, positions)
+        logits = target_forward(self.model, ids, cache, n_logits, self.params, mask, positions)
         synchronize(logits.device)
-        self._seconds = time.perf_counter() - t0
-        self.stats.model_seconds += self._seconds
+        self.last_pass_seconds = time.perf_counter() - t0
+        self.stats.model_seconds += self.last_pass_seconds
         self.stats.target_passes += 1
         return logits
 
@@ -655,71 +552,6 @@ class BatchRun:
         row.pass_seconds = seconds
 
 
-def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, traces: list,
-                   streamer=None) -> LookupOutput:
-    """Lookup decoding of ``input_ids`` [B, L] (left padding given by ``mask`` [B, L] bool and ``lengths`` [B]) for
-    a ``loop.Job``: the one loop of :func:`lookupdec.generate`, for one row as for many. ``traces``: one recorder
-    (or None) per row; ``streamer``: a batch of one only. Each row's output equals what the row alone would give.
-
-    Several rows are prefilled together, as plain batched generate does; a single row is prefilled alone without
-    its padding (:meth:`BatchRun.join`), and then runs solo, its passes as a single-sequence generation's (no mask,
-    no positions; on a sliding-window model, the cache that rolls back)."""
-    batch, width = input_ids.shape
-    static_slots = None
-    if job.static:  # a single row is prefilled without its padding
-        # Whole blocks of slots, so that prompts of similar lengths give a compiled forward the same shapes.
-        static_slots = -(-((width if batch > 1 else int(lengths[0])) + job.max_new_tokens) // STATIC_BLOCK) \
-            * STATIC_BLOCK
-    run = BatchRun(job.model, job.drafter, static_slots=static_slots)
-    if batch > 1:
-        batch_cache(job.model)  # refuses sliding-window models before anything runs
-    on_commit = None
-    if streamer is not None:  # a batch of one: loop.generate checks it
-
-        def on_commit(tokens: list, done: bool) -> None:
-            if tokens:
-                streamer.put(torch.tensor(tokens, dtype=torch.long))
-
-    rows = []
-    for r in range(batch):
-        padded = input_ids[r: r + 1].to(run.device)
-        start = width - int(lengths[r])
-        # Resolved on the padded row and its mask, as model.generate resolves them (min_new_tokens counts from the
-        # padded width; a repetition penalty skips the padding).
-        resolved = job.resolve(padded, mask[r: r + 1].long())
-        session = job.drafter.start(padded[0, start:].cpu().numpy(), eos_ids=resolved.eos_ids,
-                                    reproducible=resolved.do_sample and job.generator is not None)
-        rows.append(Row(padded[:, start:], resolved, session, job.max_new_tokens, job.verifier(resolved), index=r,
-                        trace=traces[r], on_commit=on_commit, padding=padded[:, :start]))
-    # A batch prices drafts by its size's bucket, measured for the starting size; the single-row profile serves
-    # once one row is left.
-    job.calibrate(rows=1)
-    if batch > 1:
-        job.calibrate(rows=batch)
-        run.prefill(rows, input_ids, mask, lengths)
-    else:
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        run.join(rows[0])
-    while run.rows:
-        for row in run.step():
-            if row.error is not None:  # one row's failure fails the call, as it fails a single-row generation
-                raise row.error
-    if streamer is not None:
-        streamer.end()
-
-    stats = run.stats
-    stats.rows = [row.stats for row in rows]
-    for row in rows:
-        stats.add_row(row.stats)
-    generated = max(row.generated for row in rows)
-    out = torch.full((batch, width + generated), rows[0].resolved.pad_token_id, dtype=torch.long, device=run.device)
-    out[:, :width] = input_ids.to(run.device)
-    for row in rows:
-        out[row.index, width: width + row.generated] = row.tokens
-    return LookupOutput(sequences=out, stats=stats, finish_reasons=[row.finish_reason for row in rows])
-
-
 def _verify(logits: torch.Tensor, drafts, rows: list[Row]) -> list:
     """Each row's verdict on its draft, from ``logits`` [rows, span, vocab], or the exception its verification
     raised (that row's own failure). When every row is plain greedy (the common case), all are decided from one
@@ -731,7 +563,7 @@ def _verify(logits: torch.Tensor, drafts, rows: list[Row]) -> list:
     for i, (row, draft) in enumerate(zip(rows, drafts)):
         try:
             verdicts.append(row.verdict(logits[i, : len(draft) + 1], draft))
-        except Exception as err:  # noqa: BLE001 - handed to the caller, which ends this row only
+        except Exception as err:  # handed to the caller, which ends this row only
             verdicts.append(err)
     return verdicts
 

@@ -34,15 +34,15 @@ import weakref
 import numpy as np
 import torch
 
-from ._fs import atomic_write, cache_dir
 from ._device import input_device
+from ._fs import atomic_write, cache_dir
 from ._transformers import forward_params, rollback_cache, target_forward
 from .drafter import Drafter, DrafterConfig
 from .policy import Refinement
 
 _log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 4  # bump when the measurement changes (4: 64-token context, fewer lengths); old files are measured again
+PROFILE_VERSION = 4  # bump when the measurement changes: files of another version are measured again
 BATCH_DRAFT = 32  # longest draft length measured for batches: a wide batch pass is costly, so batches draft short
 CONTEXT = 64  # tokens of synthetic context the passes run on (docs/design.md, "Calibration": the curve barely moves)
 ROUNDS = 1  # timing rounds over every measured length at least; the fastest is kept (interference only adds time)
@@ -101,7 +101,7 @@ def calibrate_or_warn(drafter: Drafter, model, on_measure=None, *, rows: int = 1
         return  # already calibrated to this model (the memo would answer too, but this skips the key)
     try:
         calibrate(drafter, model, rows=rows, on_measure=on_measure)
-    except Exception as err:  # noqa: BLE001 - any failure here must not stop generation
+    except Exception as err:  # any failure here must not stop generation
         _log.warning("could not measure the pass cost of %s (%s); drafting with a straight-line cost model",
                      type(model).__name__, err)
 
@@ -215,8 +215,8 @@ def implausible(profile: np.ndarray) -> str | None:
     """Why ``profile`` (relative costs by draft length, ``profile[0] == 1``) cannot be a quiet machine's pass-cost
     curve, or None. A pass over more tokens is not much cheaper than a plain step (no length below
     :data:`FLOOR`), and a short draft is not dearer than :data:`SPIKE` times a longer one (a CPU's curve is jagged
-    for 1-3 drafted tokens, by up to 1.4x between neighbours on this project's machine; a busy machine's
-    interference reads 4-8x: one profile priced one drafted token at 8.9 plain steps and two at 1.2)."""
+    for 1-3 drafted tokens, by up to 1.4x between neighbours, while a busy machine's interference reads 4-8x:
+    docs/design.md, "Calibration")."""
     profile = np.asarray(profile, dtype=np.float64)
     low = int(np.argmin(profile[1:])) + 1 if profile.size > 1 else 0
     if low and profile[low] < FLOOR:

@@ -204,7 +204,8 @@ def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_
         click.echo(f"error: unexpected arguments {' '.join(vllm_args)!r} (arguments after -- are vLLM's, for "
                    "--engine vllm)", err=True)
         raise click.exceptions.Exit(2)
-    from .serve.run import ServeError, ServeOptions, serve as run_server
+    from .serve.run import ServeError, ServeOptions
+    from .serve.run import serve as run_server
 
     options = ServeOptions(model=model_name, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
                            cache=cache_path, api_key=api_key, device=device, dtype=dtype,

@@ -1,23 +1,22 @@
-""":func:`generate`: lookup decoding with ``model.generate``'s arguments and output.
+""":func:`generate`: lookup decoding with ``model.generate``'s arguments and output, and the loop that runs it.
 
-Each step is draft -> one target forward -> verify -> commit, cropping the KV cache on rejection. Invariant
-between steps: the KV cache holds every committed token except the last one, ``last``. A step feeds
-``[last, x_0 .. x_{d-1}]`` (``d + 1`` tokens) and gets ``d + 1`` rows of logits back: row ``pos`` predicts the token
-after draft position ``pos - 1``. The verifier keeps ``accepted`` drafted tokens and adds one target token; the
-cache is cropped to drop the ``d - accepted`` rejected positions, and that target token becomes the new ``last``.
+:func:`generate` checks and resolves the arguments (:class:`Job`: each row's processors, stopping criteria and
+special tokens, as ``model.generate`` builds them), then runs the decoding loop (:func:`generate_batch`) over a
+:class:`~lookupdec.batch.BatchRun`, for one row as for many: rows are prefilled (together, or a single row alone
+without its padding), then stepped (draft, one target pass, verify, commit) until every row is done.
 
 The prompt is prefilled in one pass that also yields the first new token, exactly as plain ``generate`` does, so
-the first token is computed identically.
+the first token is computed identically. A single row then runs unmasked, its passes as a single-sequence
+generation's (no mask, no positions; on a sliding-window model, the cache that rolls back).
 
-Model-agnostic: it needs a transformers causal LM whose cache can be cropped (``DynamicCache``), and nothing
-about its architecture. Sliding-window layers keep their past while a draft is pending (transformers'
-``activate_past_recording``), so cropping restores them too. On a ``StaticCache`` (``cache_implementation=
-"static"``) a pass writes in place and cropping moves the write position back: the rejected slots lie after every
-later query's position, so they are masked until the next pass overwrites them.
-
-This module checks and resolves the arguments (:class:`Job`); the loop itself is ``batch.py``'s, for one row as
-for many (a single row is a batch of one that runs solo). Drafting goes through the drafter's propose/commit
-driver (``Drafter.propose``, ``DraftSession.commit``), verification through ``verify.py``.
+**Logits processors.** The verification may process a pass's positions all at once, rejected ones included (the
+eager path, on an accelerator); a processor that holds state from one call to the next (classifier-free guidance,
+SynthID watermarking, any processor of the user's own) would then see calls plain decoding never makes. So unless
+every processor is one transformers ships without state (:func:`~lookupdec._transformers.known_stateless`), each
+row's verification processes one position at a time and stops at the first rejection: the processors are called
+once per generated token, in order, on the committed prefix, as ``model.generate`` calls them. A batch of several
+rows with such a processor is refused: each row's processors are called for that row alone, while
+``model.generate`` calls them once per step for the whole batch.
 """
 
 from __future__ import annotations
@@ -28,14 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ._transformers import Resolved, resolve_generation
-from .batch import generate_batch
+from ._transformers import Resolved, batch_cache, known_stateless, resolve_generation
+from .batch import BatchRun, Row
 from .calibration import calibrate_or_warn
 from .drafter import Drafter
 from .stats import GenerationStats, LookupOutput
 from .verify import verify_greedy, verify_sample
 
 __all__ = ["GenerationStats", "LookupOutput", "generate"]
+
+STATIC_BLOCK = 256  # a static cache holds prompt + max_new_tokens slots, rounded up to whole blocks
 
 
 def generate(
@@ -87,6 +88,11 @@ def generate(
     tokens, pricing drafts as the padded pass: a forward compiled with ``torch.compile`` then sees a few fixed
     shapes. Rows of a batch share that cache, as plain batched decoding's do; models with sliding-window layers are
     refused. Greedy output is plain decoding's on the same path (see ``docs/design.md``).
+
+    ``logits_processor``: processors that may hold state between calls (any not shipped stateless by transformers)
+    are called exactly as ``model.generate`` calls them for one row, and refused for a batch of several rows
+    (module docstring). ``stopping_criteria`` get ``scores=None``, as ``model.generate``'s do without
+    ``output_scores``; one that reads the scores is refused with a ``TypeError`` saying so.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
@@ -140,8 +146,8 @@ def generate(
 def _uses_static_cache(model, generation_config, given) -> bool:
     """Whether to run on a static cache: ``cache_implementation`` as given, else as ``generation_config`` or the
     model's generation config sets it. ``"static"`` runs on a preallocated cache (what a compiled forward needs),
-    ``"dynamic"`` or none on lookupdec's own growing cache. Any other implementation is refused when given; from a
-    generation config (Gemma 3's ship ``"hybrid"``) it runs on the dynamic cache, as it always did."""
+    ``"dynamic"`` or none on lookupdec's own growing cache. Any other implementation is refused when given; one set
+    in a generation config (Gemma 3's ship ``"hybrid"``) runs on the dynamic cache, which holds every layer kind."""
     if given is not None:
         if given not in ("static", "dynamic"):
             raise NotImplementedError(f"cache_implementation={given!r} is not supported by lookupdec.generate; "
@@ -208,9 +214,81 @@ class Job:
 
     def verifier(self, resolved: Resolved):
         """``pick(logits, draft, process, position=0) -> Verdict`` for a row: the greedy rule, or exact sampling
-        drawing from the job's generator (``position``, the row's output position, is not needed by either)."""
+        drawing from the job's generator (``position``, the row's output position, is not needed by either).
+        Processors that may hold state are run lazily, on the committed positions only (module docstring)."""
+        eager = None if known_stateless(resolved.processors) else False
         if resolved.do_sample:
             generator = self.generator
             return lambda logits, draft, process, position=0: verify_sample(logits, draft, process,
-                                                                            generator=generator)
-        return lambda logits, draft, process, position=0: verify_greedy(logits, draft, process)
+                                                                            generator=generator, eager=eager)
+        return lambda logits, draft, process, position=0: verify_greedy(logits, draft, process, eager=eager)
+
+
+def generate_batch(job, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, traces: list,
+                   streamer=None) -> LookupOutput:
+    """Lookup decoding of ``input_ids`` [B, L] (left padding given by ``mask`` [B, L] bool and ``lengths`` [B]) for
+    a ``loop.Job``: the one loop of :func:`lookupdec.generate`, for one row as for many. ``traces``: one recorder
+    (or None) per row; ``streamer``: a batch of one only. Each row's output equals what the row alone would give.
+
+    Several rows are prefilled together, as plain batched generate does; a single row is prefilled alone without
+    its padding (:meth:`BatchRun.join`), and then runs unmasked (module docstring)."""
+    batch, width = input_ids.shape
+    static_slots = None
+    if job.static:  # a single row is prefilled without its padding
+        # Whole blocks of slots, so that prompts of similar lengths give a compiled forward the same shapes.
+        static_slots = -(-((width if batch > 1 else int(lengths[0])) + job.max_new_tokens) // STATIC_BLOCK) \
+            * STATIC_BLOCK
+    run = BatchRun(job.model, job.drafter, static_slots=static_slots)
+    if batch > 1:
+        batch_cache(job.model)  # refuses sliding-window models before anything runs
+    on_commit = None
+    if streamer is not None:  # a batch of one: loop.generate checks it
+
+        def on_commit(tokens: list, done: bool) -> None:
+            if tokens:
+                streamer.put(torch.tensor(tokens, dtype=torch.long))
+
+    rows = []
+    for r in range(batch):
+        padded = input_ids[r: r + 1].to(run.device)
+        start = width - int(lengths[r])
+        # Resolved on the padded row and its mask, as model.generate resolves them (min_new_tokens counts from the
+        # padded width; a repetition penalty skips the padding).
+        resolved = job.resolve(padded, mask[r: r + 1].long())
+        if batch > 1 and not known_stateless(resolved.processors):
+            names = sorted({type(p).__name__ for p in resolved.processors if not known_stateless([p])})
+            raise NotImplementedError(f"logits processors that may hold state between calls ({', '.join(names)}) "
+                                      f"need a batch of one in lookupdec.generate: each row's processors would be "
+                                      f"called for that row alone, not once per step for the whole batch as "
+                                      f"model.generate calls them; pass one row at a time")
+        session = job.drafter.start(padded[0, start:].cpu().numpy(), eos_ids=resolved.eos_ids,
+                                    reproducible=resolved.do_sample and job.generator is not None)
+        rows.append(Row(padded[:, start:], resolved, session, job.max_new_tokens, job.verifier(resolved), index=r,
+                        trace=traces[r], on_commit=on_commit, padding=padded[:, :start]))
+    # A batch prices drafts by its size's bucket, measured for the starting size; the single-row profile serves
+    # once one row is left.
+    job.calibrate(rows=1)
+    if batch > 1:
+        job.calibrate(rows=batch)
+        run.prefill(rows, input_ids, mask, lengths)
+    else:
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        run.join(rows[0])
+    while run.rows:
+        for row in run.step():
+            if row.error is not None:  # one row's failure fails the call, as it fails a single-row generation
+                raise row.error
+    if streamer is not None:
+        streamer.end()
+
+    stats = run.stats
+    stats.rows = [row.stats for row in rows]
+    for row in rows:
+        stats.add_row(row.stats)
+    generated = max(row.generated for row in rows)
+    out = torch.full((batch, width + generated), rows[0].resolved.pad_token_id, dtype=torch.long, device=run.device)
+    out[:, :width] = input_ids.to(run.device)
+    for row in rows:
+        out[row.index, width: width + row.generated] = row.tokens
+    return LookupOutput(sequences=out, stats=stats, finish_reasons=[row.finish_reason for row in rows])

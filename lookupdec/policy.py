@@ -44,6 +44,19 @@ def bucket(kind: str, shared: int) -> tuple:
     return (kind, 1)
 
 
+@dataclass
+class RequestRecord:
+    """One request's own record of how its drafts fared (:meth:`Acceptance.record`), which calibrates the shared
+    estimates for that request (:meth:`Acceptance.estimate`, :meth:`Acceptance.update`). Sums are forgotten at
+    ``_CALIBRATION_KEEP`` per draft."""
+
+    firsts_accepted: float = 0.0  # drafts whose first token was accepted
+    firsts_predicted: float = 0.0  # the first-token odds the buckets gave those drafts
+    shared_scale: float = 1.0  # the shared calibration when the request started: two drafts' worth of evidence
+    runs_accepted: float = 0.0  # continuations accepted (``j - 1`` for a draft whose first ``j >= 1`` were)
+    runs_predicted: float = 0.0  # continuations the buckets' ``then`` predicted for those drafts
+
+
 class Acceptance:
     """Running estimates, per source bucket, of how drafts from that bucket fare.
 
@@ -68,7 +81,7 @@ class Acceptance:
     ``_RUN_WEIGHT`` continuations of evidence for the buckets, scales the expected run ``then / (1 - then)``. So
     a request whose copies break after a token or two (an answer quoting its context in short pieces, in a new
     order) drafts short from whichever bucket the next match falls in, where each bucket's own count would take
-    many drafts to learn it (replayed: the worst QA prompt 0.74x to 0.84x; benchmarks/RESULTS.md).
+    many drafts to learn it (docs/design.md, "Each request's own record").
     """
 
     def __init__(self):
@@ -83,28 +96,25 @@ class Acceptance:
         then = (cont + prior_then * _PRIOR_WEIGHT) / (cont + stops + _PRIOR_WEIGHT)
         return first, then
 
-    def estimate(self, bucket, own: list | None = None) -> tuple:
+    def estimate(self, bucket, own: RequestRecord | None = None) -> tuple:
         """``(first, then)`` for drafts from ``bucket``, calibrated by the request's own record ``own`` when given."""
         first, then = self._raw(bucket)
         if own is not None:
-            run = then / (1.0 - then) * (own[3] + _RUN_WEIGHT) / (own[4] + _RUN_WEIGHT)  # expected continuations
-            then = run / (1.0 + run)
+            run = then / (1.0 - then) * (own.runs_accepted + _RUN_WEIGHT) / (own.runs_predicted + _RUN_WEIGHT)
+            then = run / (1.0 + run)  # from the expected continuations, ``run``
         return min(first * self._scale(own), 0.999), then
 
-    def record(self) -> list:
-        """A new request's own calibration record: ``[first tokens accepted, first tokens predicted, the shared
-        scale now, continuations accepted, continuations predicted]``; the scale stands for two drafts' worth of
-        evidence until the request's own accrue."""
-        return [0.0, 0.0, self._scale(None), 0.0, 0.0]
+    def record(self) -> RequestRecord:
+        """A new request's own calibration record, starting from the shared scale as it stands now."""
+        return RequestRecord(shared_scale=self._scale(None))
 
-    def _scale(self, own: list | None) -> float:
+    def _scale(self, own: RequestRecord | None) -> float:
         if own is not None:
-            seen, predicted, prior = own[:3]
-            return (seen + 2.0 * prior) / (predicted + 2.0)
+            return (own.firsts_accepted + 2.0 * own.shared_scale) / (own.firsts_predicted + 2.0)
         seen, predicted = self._calibration
         return (seen + 2.0) / (predicted + 2.0)
 
-    def update(self, bucket, accepted: int, drafted: int, own: list | None = None) -> None:
+    def update(self, bucket, accepted: int, drafted: int, own: RequestRecord | None = None) -> None:
         if drafted == 0:
             return
         with self._lock:
@@ -112,12 +122,13 @@ class Acceptance:
             hit, expected = float(bool(accepted)), self._raw(bucket)[0]
             self._calibration = [seen * _CALIBRATION_KEEP + hit, predicted * _CALIBRATION_KEEP + expected]
             if own is not None:
-                own[0] = own[0] * _CALIBRATION_KEEP + hit
-                own[1] = own[1] * _CALIBRATION_KEEP + expected
+                own.firsts_accepted = own.firsts_accepted * _CALIBRATION_KEEP + hit
+                own.firsts_predicted = own.firsts_predicted * _CALIBRATION_KEEP + expected
                 if accepted:  # continuations are counted given the first token: a miss says nothing of them
                     then = self._raw(bucket)[1]
-                    own[3] = own[3] * _CALIBRATION_KEEP + (accepted - 1)
-                    own[4] = own[4] * _CALIBRATION_KEEP + float(np.sum(then ** np.arange(1, drafted)))
+                    own.runs_accepted = own.runs_accepted * _CALIBRATION_KEEP + (accepted - 1)
+                    own.runs_predicted = own.runs_predicted * _CALIBRATION_KEEP \
+                        + float(np.sum(then ** np.arange(1, drafted)))
             tries, firsts, cont, stops = (c * _FORGET for c in self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0)))
             if accepted:
                 firsts += 1.0
@@ -302,9 +313,9 @@ class Refinement:
     def probe(self, chosen: int, longest: int) -> int:
         """The draft length to run instead of ``chosen`` (the policy's pick; ``longest``: the longest on offer) so
         that the profile gets the passes it is corrected from: where it says no draft pays, a length whose band was
-        never run is run once, once a plain step has been timed (a profile priced too dear would otherwise never be
-        contradicted: measured, one priced 6x too dear drafted nothing, 1.0 tokens per pass on a copy-heavy edit).
-        At most one pass per band; ``chosen`` otherwise."""
+        never run is run once, once a plain step has been timed (a profile priced too dear would otherwise never
+        draft, and so never be contradicted: docs/design.md, "Calibration"). At most one pass per band; ``chosen``
+        otherwise."""
         if chosen or longest < 1:
             return chosen
         with self._lock:
@@ -503,7 +514,7 @@ def token_lengths(offers: Sequence[Offer], base: float, per_token: float, *, oth
         return lengths
     order = np.argsort(-np.asarray(worth), kind="stable")  # stable: a row's tokens stay in their order
     cap = slowdown * plain_time / per_token if per_token > 0 else float("inf")
-    expected, time, taken, best = float(rows), plain_time, 0, (float(rows) / plain_time, 0)
+    expected, time, best = float(rows), plain_time, (float(rows) / plain_time, 0)
     for k, item in enumerate(order, start=1):
         if k > cap:
             break

@@ -32,7 +32,11 @@ Two ways to run it, chosen by where the logits are (``eager``):
   device-to-host transfer per pass (greedy: the argmax row, compared with the draft on the host; sampling: the
   accepted count and the new token, drawn on the device). Each wait for the device costs more there than the
   extra positions' work. Both give the same greedy verdicts; under sampling both are exact, but they read the
-  generator differently, so the lazy path keeps the samples a CPU run always gave.
+  generator differently, so the lazy path keeps the samples a CPU run gives.
+
+The lazy path processes exactly the positions whose tokens are committed (the accepted ones and the one after
+them), in order, as plain decoding does; the eager path also processes rejected positions, which only processors
+that hold no state between calls may see (``eager=False`` otherwise; ``lookupdec._transformers.known_stateless``).
 
 Random numbers come from ``generator`` on its own device (a CPU generator works with CUDA logits, and the other
 way round); sampling on the logits' device itself needs a generator there (or none).
@@ -66,7 +70,7 @@ def verify_greedy(
     """Longest prefix of ``draft`` equal to the target's argmax, plus the target's own next token."""
     d = len(draft)
     if eager is None:
-        eager = logits.device.type != "cpu"
+        eager = eager_by_default(logits)
     if process is not None and not eager:
         for pos in range(d + 1):
             token = int(process(pos, logits[pos]).argmax())
@@ -76,6 +80,13 @@ def verify_greedy(
     if process is not None:
         logits = torch.stack([process(pos, logits[pos]) for pos in range(d + 1)])
     return greedy_verdict(logits.argmax(dim=-1).cpu().numpy(), draft)  # the one transfer: d + 1 token ids
+
+
+def eager_by_default(logits: torch.Tensor) -> bool:
+    """The path a verification takes when its caller does not choose (module docstring): eager unless the logits
+    are on the CPU. A caller whose processors may hold state passes ``eager=False``: the lazy path processes only
+    the positions whose tokens are committed."""
+    return logits.device.type != "cpu"
 
 
 def greedy_verdict(choice: np.ndarray, draft: np.ndarray) -> Verdict:
@@ -97,7 +108,7 @@ def verify_sample(
     """Exact speculative sampling with a point-mass draft (module docstring)."""
     d = len(draft)
     if eager is None:
-        eager = logits.device.type != "cpu"
+        eager = eager_by_default(logits)
     if eager:
         return _sample_eager(logits, draft, process, generator)
     for pos in range(d + 1):

@@ -228,9 +228,12 @@ def test_calibration_happens_after_the_input_checks_and_outside_the_stats(tiny_f
     with pytest.raises(ValueError, match="left padding"):
         lookupdec.generate(model, torch.tensor([[5, 6, 7], [5, 6, 7]]), bad_mask, max_new_tokens=2)
     assert measured == []  # a refused call measures nothing
+    started = time.perf_counter()
     out = lookupdec.generate(model, torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=3)
+    elapsed = time.perf_counter() - started
     assert measured == [model]
-    assert out.stats.total_seconds < 0.5  # the one-time measurement is not generation time
+    # The one-time measurement (0.5 s asleep) is not generation time, however long generation takes here.
+    assert out.stats.total_seconds <= elapsed - 0.5
 
 
 # --- a profile measured on a busy machine: checked before it is saved, refined by the passes that run ----------

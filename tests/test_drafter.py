@@ -1,5 +1,7 @@
 """LookupDrafter: the match policy, the cost model, and configuration. No model needed."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -450,7 +452,7 @@ def test_each_request_keeps_its_own_record_of_its_drafts():
     assert firsts["copier"][-1] >= 0.9 * firsts["copier"][0]
     # A later request starts from the record they left together, not from either one's.
     later = drafter.acceptance.record()
-    assert firsts["writer"][-1] / firsts["writer"][0] < later[2] < 1.0
+    assert firsts["writer"][-1] / firsts["writer"][0] < later.shared_scale < 1.0
 
 
 def test_a_request_whose_copies_break_early_expects_short_runs_from_every_bucket():
@@ -478,5 +480,5 @@ def test_a_request_whose_copies_break_early_expects_short_runs_from_every_bucket
         acceptance.update(bucket, 12, 12, runs)  # every drafted token right
     assert acceptance.estimate(untouched, runs)[1] >= acceptance.estimate(untouched)[1]
     # The first-token odds are the first-token record's business: continuations do not move them.
-    same_firsts = breaks[:3] + [0.0, 0.0]
+    same_firsts = dataclasses.replace(breaks, runs_accepted=0.0, runs_predicted=0.0)
     assert acceptance.estimate(untouched, breaks)[0] == acceptance.estimate(untouched, same_firsts)[0]

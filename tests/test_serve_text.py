@@ -76,14 +76,14 @@ def test_stop_strings_cut_the_answer_and_count_the_tokens_before_them(smollm2):
         answer = "".join(pieces)
         assert answer == sample[: sample.index("port:")] and text.stopped
         # The answer's tokens are those whose text ends before the stop string, and no more.
-        kept = text.kept_tokens
+        kept = text.answer_tokens
         assert _raw(tokenizer, ids[:kept]) == answer
         assert not _raw(tokenizer, ids[: kept + 1]).startswith(answer) or \
             len(_raw(tokenizer, ids[: kept + 1])) > len(answer)
         # No piece ever held the start of the stop string before it was known not to complete.
         assert all("port" not in piece for piece in pieces)
     pieces, text = _streamed(tokenizer, ids, 1, stops=["absent"])
-    assert "".join(pieces) == sample and not text.stopped and text.kept_tokens == len(ids)
+    assert "".join(pieces) == sample and not text.stopped and text.answer_tokens == len(ids)
 
 
 def test_an_ordinary_chat_prompt_is_tokenized_as_the_template_tokenizes_it(smollm2):

@@ -1,4 +1,4 @@
-"""``cache_implementation="static"``: rows on a preallocated cache, passes padded to fixed widths (issue 26).
+"""``cache_implementation="static"``: rows on a preallocated cache, passes padded to fixed widths.
 
 The rule pinned here: on the static cache, greedy output is plain greedy ``model.generate``'s, token for token, on
 the eager path and on a compiled forward, while every pass has a width from ``STATIC_WIDTHS`` (or, near the end of
@@ -11,14 +11,15 @@ import copy
 import numpy as np
 import pytest
 import torch
+from helpers_costs import fixed_costs, nearly_free
+from test_batch import _left_pad, _row, _rows, _singles
+from test_exactness import _plain, _prompts
 from transformers import StaticCache
 
 import lookupdec
-from lookupdec import LookupDrafter
+from lookupdec import LookupDrafter, loop
 from lookupdec import batch as batch_module
 from lookupdec.batch import STATIC_WIDTHS, BatchRun, static_width
-from test_batch import _left_pad, _row, _rows, _singles
-from test_exactness import _plain, _prompts
 
 
 def _passes(model, run):
@@ -50,7 +51,7 @@ def test_static_width():
 
 
 def test_static_matches_greedy(tiny_model):
-    drafter = LookupDrafter()
+    drafter = fixed_costs(LookupDrafter())  # drafts that pay whatever this machine's speed (helpers_costs)
     accepted = 0
     for prompt in _prompts(tiny_model):
         for budget in (1, 2, 7, 60):
@@ -69,8 +70,9 @@ def test_static_matches_greedy(tiny_model):
 
 
 def test_static_padding_is_not_a_draft(tiny_model):
-    # Priced so that a draft of a few tokens pays, the passes fed more tokens than they drafted: the filler is
-    # computed and thrown away, and the stats count only drafted tokens.
+    # Priced by hand so that every draft pays, the passes fed more tokens than they drafted (a draft cut short by
+    # its candidate or the budget is padded to the next width): the filler is computed and thrown away, and the
+    # stats count only drafted tokens.
     prompt = _prompts(tiny_model, count=1, seed=1)[0]
     ref = _plain(tiny_model, prompt, max_new_tokens=40)
     class Drafts:
@@ -85,8 +87,8 @@ def test_static_padding_is_not_a_draft(tiny_model):
 
     drafts = Drafts()
     out, passes = _passes(tiny_model, lambda: lookupdec.generate(
-        tiny_model, prompt, max_new_tokens=40, drafter=LookupDrafter(use_cache=False), cache_implementation="static",
-        trace=drafts))
+        tiny_model, prompt, max_new_tokens=40, drafter=fixed_costs(LookupDrafter(use_cache=False), nearly_free),
+        cache_implementation="static", trace=drafts))
     assert out.sequences.tolist() == ref.tolist()
     assert len(passes) == out.stats.target_passes == len(drafts.lengths)
     fed = sum(width - 1 for width, _ in passes[1:])
@@ -172,7 +174,7 @@ def test_static_batch_matches_plain_static_batched_generate(tiny_model):
 def test_static_batch_squeezes_holes_out_in_place(tiny_model, monkeypatch):
     # Slots for exactly the padded prompt and the budget: the holes rows leave behind soon leave no room for the
     # next pass, so they are squeezed out, in the cache's own tensors, and drafts shrink to the room left.
-    monkeypatch.setattr(batch_module, "STATIC_BLOCK", 1)
+    monkeypatch.setattr(loop, "STATIC_BLOCK", 1)
     gathered = []
     real = batch_module.gather_cache_slots
     monkeypatch.setattr(batch_module, "gather_cache_slots",
@@ -214,10 +216,12 @@ def test_compiled_static_matches_compiled_plain(tiny_factory):
     prompts = _prompts(model, count=2)
     eager = [_plain(model, prompt, max_new_tokens=40) for prompt in prompts]
     model.forward = torch.compile(model.forward)
+    drafter = fixed_costs(LookupDrafter())  # drafts that pay, and no calibration (its passes would compile too)
     try:
         for prompt, ref in zip(prompts, eager):
             plain = _plain(model, prompt, max_new_tokens=40, cache_implementation="static")
-            out = lookupdec.generate(model, prompt, max_new_tokens=40, cache_implementation="static")
+            out = lookupdec.generate(model, prompt, max_new_tokens=40, cache_implementation="static",
+                                     drafter=drafter)
             assert out.sequences.tolist() == plain.tolist()
             assert out.stats.accepted_tokens > 0
             assert plain.tolist() == ref.tolist()  # compiled kernels round as eager ones do, on this tiny model
@@ -225,7 +229,8 @@ def test_compiled_static_matches_compiled_plain(tiny_factory):
         ids, mask = _left_pad(_prompts(model, count=3, seed=7), model.generation_config.pad_token_id)
         plain = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
                                cache_implementation="static")
-        out = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=40, cache_implementation="static")
+        out = lookupdec.generate(model, ids, attention_mask=mask, max_new_tokens=40, cache_implementation="static",
+                                 drafter=drafter)
         assert out.sequences.tolist() == plain.tolist()
     finally:
         del model.forward

@@ -13,8 +13,8 @@ import types
 
 import numpy as np
 import pytest
-import torch
 import test_batch
+import torch
 from test_batch import _left_pad, _rows, _singles
 from test_exactness import _plain, _prompts
 from transformers import DynamicCache, MistralConfig

@@ -16,8 +16,17 @@ from dataclasses import dataclass
 import yaml
 
 from .engine import Completion, TokenProgress
-from .focus import (Entry, Instruction, choose_targets, find_entries, implied_writes, near, read_instruction,
-                    render_scalar, unasked_change)
+from .focus import (
+    Entry,
+    Instruction,
+    choose_targets,
+    find_entries,
+    implied_writes,
+    near,
+    read_instruction,
+    render_scalar,
+    unasked_change,
+)
 from .prompts import Prompt, build_focused_prompt, build_judge, build_prompt, extract_block, read_choice
 from .sections import Section, flat, split_finer, split_sections, trim_blank_lines
 from .validate import InputError, ReformatError, check_section, yaml_error
@@ -58,7 +67,9 @@ def plan_sections(text: str, engine, instruction: str | None, max_new_tokens: in
         raise InputError(f"--max-new-tokens {max_new_tokens} is too small for any section "
                          f"(it needs at least {BUDGET_MARGIN + 1})")
     target = limit if instruction else min(limit, REFORMAT_SECTION_TOKENS)
-    too_big = lambda t: engine.count_tokens(t) > target
+    def too_big(t):
+        return engine.count_tokens(t) > target
+
     joinable = None if instruction else (lambda t: flat(t) and not too_big(t))
     sections = split_sections(text, too_big, joinable)
     budgets, sizes = [], []

@@ -161,7 +161,7 @@ class ModelEngine:
 
         One forward pass over the prompt and ``done`` scores every start. An edit uses this when the model copied
         a line the instruction is about: its second choice there is usually the edit (``level: info`` ->
-        ``debug`` was ranked second, at log-probability -2.7 against -0.1).
+        ``debug``; docs/design.md).
         """
         import torch
 

@@ -12,9 +12,10 @@ and values of the file as PyYAML composes it (so every entry has a path and exac
   it, the scalar values beside it: ``name: php-redis``, ``package-ecosystem: pip``).
 - :func:`choose_targets` scores entries per clause (:func:`score`: a key named, 3 per word; the value named as
   the one to replace, 3 per word; a new value sharing a word with it, 2; each word of a key above it or a value
-  beside it, 1) and keeps the best-scored entry that the clause names itself. Ties are kept together when the clause says ``both`` / ``all``
-  / ``every`` or names the shared old value, and broken by how close the old value is to the new one; a tie left
-  after that is *ambiguous*, for the model to judge (:mod:`~lookupdec.reformat.prompts`, ``build_judge``).
+  beside it, 1) and keeps the best-scored entry that the clause names itself. Ties are kept together when the
+  clause says ``both`` / ``all`` / ``every`` or names the shared old value, and broken by how close the old value
+  is to the new one; a tie left after that is *ambiguous*, for the model to judge
+  (:mod:`~lookupdec.reformat.prompts`, ``build_judge``).
 - :func:`unasked_change` is the check every edited result passes before it is written: each change in the data
   must be at or next to a target, named by a clause (its key, or its old value as the thing to replace), be
   what the clause implies when it gives a value (:func:`implied`: the whole value, or exactly the named part of

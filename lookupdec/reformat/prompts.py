@@ -13,12 +13,12 @@ intact. What it needs:
 - a stop at the closing fence, since it otherwise repeats the block until the token budget runs out (the engine's
   ``FenceStop``).
 
-An edit of a small section (one entry or a few lines, :func:`build_focused_prompt`) is asked differently. Asked
-as above, the model changed none of 12 small sections in a test: it copied them back, or looped. Worked examples
-of one-line edits (as earlier turns of the chat), the editor system prompt and the answer started with the line's
-key (``level:``) brought that to 6 of 14 one-line sections; most of the rest copy the old value while the new one
-is the model's second choice, which the editor handles by asking for the model's most likely answers that depart
-from the copy (``ModelEngine.departures``). With both, 27 of the 34 entries of ``benchmarks/edits`` came out right.
+An edit of a small section (one entry or a few lines, :func:`build_focused_prompt`) is asked differently: asked as
+above, the model copies a small section back, or loops. It gets worked examples of one-line edits (as earlier
+turns of the chat), the editor system prompt, and the answer started with the line's key (``level:``); where it
+still copies the old value, the new one is usually its second choice, which the editor reaches by asking for the
+model's most likely answers that depart from the copy (``ModelEngine.departures``). docs/design.md, "How
+``lookupdec reformat`` makes an edit", has the measurements.
 
 Which of several equally named entries an instruction means is asked as a numbered choice
 (:func:`build_judge`), answered with a number.

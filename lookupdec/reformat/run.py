@@ -26,10 +26,9 @@ import yaml
 from lookupdec._fs import atomic_write
 
 from .editor import Editor, FileFocus, Job, Plan, describe_sections, flatten, plan_sections
-from .focus import unasked_change
 from .engine import TokenProgress, compare_methods, open_engine
+from .focus import unasked_change
 from .sections import join_sections
-from .yamldata import diff, same
 from .validate import (
     EXIT_REJECTED,
     EXIT_USAGE,
@@ -45,6 +44,7 @@ from .validate import (
     to_json,
     yaml_error,
 )
+from .yamldata import diff, same
 
 DEFAULT_BATCH = 4  # sections per batch: on a 2-core CPU lookup still pays at 4 rows (benchmarks/run.py --batch)
 

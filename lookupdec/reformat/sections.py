@@ -69,7 +69,8 @@ def split_sections(text: str, too_big: Callable[[str], bool],
     if any(ln.startswith(("%", "--- ", "---\t")) and not _DOC_MARKER.match(ln.rstrip("\n")) for ln in lines):
         return _whole(lines, 1, "")  # directives or content on a '---' line: not worth a special case
     if joinable is None:
-        joinable = lambda t: not too_big(t)
+        def joinable(t):
+            return not too_big(t)
     out: list[Section] = []
     doc: list[str] = []
     doc_start = 1
@@ -275,7 +276,9 @@ def split_finer(section: Section, count_tokens: Callable[[str], int]) -> list[Se
     cannot be cut into at least two parts to edit. A reformat retries a rejected section this way: the model copies
     small sections better."""
     n = count_tokens(section.text)
-    too_big = lambda t: count_tokens(t) >= n
+    def too_big(t):
+        return count_tokens(t) >= n
+
     parts = split_sections(section.text, too_big, lambda t: flat(t) and not too_big(t))
     if sum(p.edit for p in parts) < 2:
         return []

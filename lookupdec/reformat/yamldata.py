@@ -4,12 +4,10 @@ Tags. Real configs carry tags PyYAML's safe loader has no constructor for: mkdoc
 CloudFormation's ``!Ref`` / ``!GetAtt`` / ``!Sub``, Home Assistant's ``!secret`` / ``!include``, GitLab's
 ``!reference``. They are valid YAML, so :func:`load_documents` keeps each as a :class:`Tagged` (the tag and the
 plain value under it) that compares equal to the same tag over the same value, and is never executed or
-resolved. Decided against ruamel.yaml (measured on the 12 configs of ``benchmarks/edits`` and two tagged
-samples): its safe loader refuses unknown tags as PyYAML's does, its round-trip loader keeps them but its tagged
-scalars compare by identity (two loads of one file differ), it reads YAML 1.2 (``on:`` becomes ``'on'``, ``yes``
-a string), which would change what ``--to json`` writes and what the checks compare, and it loads 2-3x slower.
-A run never re-serializes YAML (the model's text is written, untouched sections byte for byte), so a
-round-trip dumper would buy nothing.
+resolved. PyYAML rather than ruamel.yaml (docs/design.md, "How ``lookupdec reformat`` makes an edit"): a run
+never re-serializes YAML (the model's text is written, untouched sections byte for byte), so a round-trip dumper
+would buy nothing, and ruamel's YAML 1.2 reading would change what ``--to json`` writes and what the checks
+compare.
 
 Changes. :func:`diff` lists what differs between two loads as :class:`Change` records with paths; lists are
 aligned with ``difflib`` (removing an item is one removal, not a change at every later index).

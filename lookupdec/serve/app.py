@@ -24,7 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -263,7 +264,7 @@ async def _events(ticket: Ticket, text: Detokenizer, pool):
             if piece:
                 yield ("text", piece)
             if text.stopped:
-                ticket.cancel(keep=text.kept_tokens)
+                ticket.cancel(used=text.answer_tokens)
         elif event[0] == "error":
             raise event[1]
         else:
@@ -272,22 +273,25 @@ async def _events(ticket: Ticket, text: Detokenizer, pool):
             if piece:
                 yield ("text", piece)
             if text.stopped:  # found only now: the row ended by itself with the stop string in its last pass
-                ticket.cancel(keep=text.kept_tokens)
+                ticket.cancel(used=text.answer_tokens)
             reason = "stop" if text.stopped else summary.get("finish_reason")
             if reason not in ("stop", "length"):
                 raise APIError(503, "the request was cancelled before it finished", type="server_error",
                                code="request_cancelled")
             usage = await asyncio.get_running_loop().run_in_executor(
-                pool, _usage, ticket, summary, ids[: text.kept_tokens])
+                pool, _usage, ticket, summary, ids[: text.answer_tokens])
             yield ("done", reason, usage)
             return
 
 
 async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer, pool) -> dict:
-    """The answer of a request that does not stream: the streamed events joined."""
+    """The answer of a request that does not stream: the streamed events joined. The client is sent the whole
+    answer or nothing; the rolling cache learns the answer before it is sent (:meth:`Ticket.release`), or nothing
+    when the client left."""
     text = Detokenizer(tokenizer, ticket.req.stop)
     events = _events(ticket, text, pool)
     parts = []
+    released = False
     try:
         while True:
             task = asyncio.ensure_future(events.__anext__())
@@ -297,7 +301,6 @@ async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer, pool) -> dic
                     break
                 if await request.is_disconnected():
                     task.cancel()
-                    ticket.cancel()
                     raise APIError(499, "the client closed the request", code="client_closed_request")
             try:
                 event = task.result()
@@ -307,16 +310,32 @@ async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer, pool) -> dic
                 parts.append(event[1])
             else:
                 _, reason, usage = event
+                await asyncio.get_running_loop().run_in_executor(pool, ticket.release, text.answer_tokens)
+                released = True
                 return protocol.completion(ticket.req, protocol.new_id(ticket.req.kind), "".join(parts), reason, usage)
     finally:
-        ticket.cancel()  # a no-op once the row is done
+        if not released:  # the client gets no answer: frees the row, and the rolling cache learns nothing
+            _release(ticket, 0, pool)
     raise APIError(500, "the request ended without an answer", type="server_error", code="internal_error")
 
 
+def _release(ticket: Ticket, used: int, pool) -> None:
+    """:meth:`Ticket.release` without waiting for it: the row is cancelled at once, and a session to finish is
+    finished in ``pool`` (off the event loop, which may be closing the request)."""
+    ticket.cancel(used)
+    try:
+        pool.submit(ticket.release, used)
+    except RuntimeError:  # the pool is shut down: the server is stopping, and nothing else waits here
+        ticket.release(used)
+
+
 async def _stream(ticket: Ticket, tokenizer, pool):
+    """The answer as server-sent events. A piece of text counts as sent once the server asks for the next one
+    (the transport took it); when the client leaves, only the tokens whose text was sent join the rolling cache."""
     req = ticket.req
     rid, created = protocol.new_id(req.kind), int(time.time())
     text = Detokenizer(tokenizer, req.stop)
+    sent = 0  # characters of the answer the client was sent
 
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
@@ -328,6 +347,7 @@ async def _stream(ticket: Ticket, tokenizer, pool):
             async for event in _events(ticket, text, pool):
                 if event[0] == "text":
                     yield sse(protocol.chunk(req, rid, created, event[1]))
+                    sent = text.sent
                 else:
                     _, reason, usage = event
                     yield sse(protocol.chunk(req, rid, created, finish_reason=reason))
@@ -335,9 +355,9 @@ async def _stream(ticket: Ticket, tokenizer, pool):
                         yield sse(protocol.chunk(req, rid, created, usage_=usage))
         except APIError as err:  # headers are gone: the error travels as an event, as OpenAI's streams do
             yield sse(err.body())
-        except Exception:  # noqa: BLE001 - a fault of the server: said in the stream, the traceback in the log
+        except Exception:  # a fault of the server: said in the stream, the traceback in the log
             _log.exception("unexpected error while streaming")
             yield sse(APIError(500, "internal server error", type="server_error", code="internal_error").body())
         yield "data: [DONE]\n\n"
-    finally:
-        ticket.cancel()  # the client left (or the stream ended): free the row
+    finally:  # the client left (or the stream ended): free the row; the rolling cache learns what was sent
+        _release(ticket, text.tokens_within(sent), pool)

@@ -5,20 +5,21 @@ A request's output is what it would be alone: greedy rows are token-identical to
 sampled row draws its token at output position ``t`` at a uniform fixed by ``(seed, t)``
 (:func:`lookupdec.verify.verify_keyed`), so a seed gives one output whatever else runs.
 
-Each turn of the engine's loop takes waiting requests into the batch's prefill queue, runs one round of prefill
-work (a long prompt is prefilled in chunks paid for by the decoding steps, a quarter of their time, so it slows
-the running requests by about a quarter: :meth:`~lookupdec.batch.BatchRun.prefill_pending`), then one decoding
-step.
+Each turn of the engine's loop takes waiting requests into the prefill queue, runs one round of prefill work (a
+long prompt is prefilled in chunks paid for by the decoding steps, a quarter of their time, so it slows the running
+requests by about a quarter: :class:`~lookupdec.serve.scheduler.PrefillScheduler`), then one decoding step.
 A failure that belongs to one request (its prefill, its verification, its drafting, its callback) ends that
 request with a 500 and the others go on; only a failed forward pass of the whole batch ends every running request.
 
 The web layer talks to a request through its :class:`Ticket`: the engine thread puts events on the ticket's
 asyncio queue (thread-safely), and the web layer calls :meth:`Ticket.cancel` (a stop string was reached, or the
-client left; and always once it is done with the request). Only the tokens the client was given join the rolling
-cache: ``cancel(keep=n)`` limits them to the first ``n``, and for a request with stop strings whose row ended by
-itself, the session waits for the web layer's first ``cancel`` after the end, since a stop string in the last
-tokens is found after the row has ended. At shutdown (:meth:`Engine.stop`) what is still running after the drain
-time is answered with a 503 ``server_shutting_down`` error, never with an answer that looks finished.
+client left) and, once it is done with the request, :meth:`Ticket.release` with how many tokens the client was
+sent. Only those join the rolling cache: a cancelled row's session learns the count it was cancelled with, and a
+row that ended by itself keeps its session open until the release, since the web layer learns what the client got
+(a stop string in the last tokens, a client that left before the last text reached it) after the row has ended.
+At shutdown (:meth:`Engine.stop`) what is still running after the drain time is answered with a 503
+``server_shutting_down`` error, never with an answer that looks finished; what such a row generated joins the
+rolling cache (saved at exit).
 
 Models with sliding-window attention layers (Gemma 3) are served one request at a time: a batch's cache has masked
 holes, which a window that counts slots cannot skip.
@@ -44,13 +45,14 @@ from ..calibration import calibrate_or_warn
 from ..drafter import Drafter, NoDrafts
 from ..verify import verify_greedy, verify_keyed
 from .protocol import APIError, Request
+from .scheduler import PrefillScheduler
 
 _log = logging.getLogger(__name__)
 
 
-# Seconds between two returns of freed heap memory to the system, checked after each decoding step. A trim cost
-# about 10 ms on the 2-core benchmark machine (1% of a second); every 16 finished requests instead (20-30 s apart
-# under load) left 250-500 MiB of freed memory resident between trims, and more as the heap fragmented.
+# Seconds between two returns of freed heap memory to the system, checked after each decoding step: often enough
+# that little freed memory stays resident, rarely enough that the trims cost about 1% of the time (docs/design.md,
+# "The server").
 _TRIM_PERIOD_S = 1.0
 _JOIN_TIMEOUT_S = 10.0  # how long stop() waits for the engine thread once it has been told to cut
 
@@ -60,11 +62,10 @@ class QueueFull(Exception):
 
 
 def _trim_heap() -> None:
-    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``). Caches that grew by concatenation
-    (every decoding step reallocated each layer one step longer) and prefill caches of ever-different sizes, all
-    freed in the engine thread's glibc arena, fragment it, so glibc keeps more and more free memory there (its free
-    space grew from 240 to 490 MiB over a 10-minute soak while the memory in use stayed at 320 MiB), and without
-    trims the server's resident size crept up. Elsewhere (no glibc) nothing to do."""
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``). Prefill caches of ever-different
+    sizes, freed in the engine thread's glibc arena, fragment it, so glibc keeps more and more free memory there,
+    and without trims the server's resident size creeps up (docs/design.md, "The server"). Elsewhere (no glibc)
+    nothing to do."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -96,34 +97,43 @@ class Ticket:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
-        self.keep: int | None = None
+        self.used: int | None = None  # cancel(used=n): the client was sent the first n generated tokens only
         self.row: Row | None = None
         self.submitted = time.perf_counter()
         self._lock = threading.Lock()
-        self._settle = None  # finishes the session of a row that ended by itself, on the next cancel
+        self.released = False
+        self._settle = None  # finishes the session of a row that ended by itself, at the release
 
-    def cancel(self, keep: int | None = None) -> None:
-        """End this request at the engine's next step (its row leaves the batch); safe from any thread. After
-        the end it ends nothing, but still says how much of the output the client got: ``keep``, only the first
-        ``keep`` generated tokens (a stop string ended the answer), so only they join the rolling cache; several
-        calls keep the smallest."""
-        # Order matters (see Engine._admit and _hold): keep, then the flag, then the row is read.
-        if keep is not None:
-            self.keep = keep if self.keep is None else min(self.keep, keep)
+    def cancel(self, used: int | None = None) -> None:
+        """End this request at the engine's next step (its row leaves the batch); safe and cheap from any thread,
+        the event loop's included. After the end it ends nothing, but still says how much of the output the
+        client got: ``used``, only the first ``used`` generated tokens (a stop string ended the answer, or the
+        client left), so only they join the rolling cache; several calls keep the smallest."""
+        # Order matters (see Engine._admit): the count, then the flag, then the row is read.
+        if used is not None:
+            self.used = used if self.used is None else min(self.used, used)
         self.cancelled = True
         row = self.row
         if row is not None:
-            row.cancel(self.keep)
+            row.cancel(self.used)
+
+    def release(self, used: int | None = None) -> None:
+        """The web layer is done with this request, whose client was sent its first ``used`` generated tokens
+        (None: all of them): :meth:`cancel`, and a row that ended by itself has its session finished here, in the
+        calling thread (the rolling cache learns the tokens the client was sent), so call it off the event loop.
+        Later calls do nothing more."""
+        self.cancel(used)
         with self._lock:
+            self.released = True
             settle, self._settle = self._settle, None
         if settle is not None:
             settle()
 
     def _hold(self, settle) -> None:
-        """The row ended by itself: ``settle()`` finishes its session, at the next :meth:`cancel` (now, if one came
-        already)."""
+        """The row ended by itself: ``settle()`` finishes its session, at the :meth:`release` (now, on the
+        engine's thread, if it came already)."""
         with self._lock:
-            if not self.cancelled:
+            if not self.released:
                 self._settle = settle
                 return
         settle()
@@ -143,7 +153,8 @@ class Engine:
             raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.run = BatchRun(model, drafter)
-        if self.run.single and max_batch > 1:
+        self.scheduler = PrefillScheduler(self.run)
+        if self.run.one_at_a_time and max_batch > 1:
             _log.warning("%s has sliding-window attention layers, which a batch's cache cannot hold (a window "
                          "counts cache slots, and a batch leaves masked holes between a row's slots): serving one "
                          "request at a time (max_batch 1 instead of %d)", type(model).__name__, max_batch)
@@ -157,7 +168,6 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._admitting = 0  # tickets taken from the queue and not yet in the batch's prefill queue
-        self._finishing: deque[tuple[Row, Ticket]] = deque()  # sessions to finish, on the engine's thread
         self.completed = 0
         self._trimmed = time.monotonic()  # when _trim_heap last ran
 
@@ -175,7 +185,7 @@ class Engine:
 
     def start(self) -> None:
         # One pass from this thread first: torch's CPU thread pool, first used from the engine's thread instead,
-        # ran every pass several times slower on the benchmark machine (4.4 s against 17 s for one request).
+        # runs every pass several times slower (docs/design.md, "The server").
         with torch.inference_mode():
             self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.run.device))
         self._accepting, self._stop = True, False
@@ -206,12 +216,12 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or bool(self._admitting) or bool(self.run.rows) or bool(self.run.joining)
+        return bool(self._waiting) or bool(self._admitting) or bool(self.run.rows) or bool(self.scheduler.joining)
 
     @property
     def load(self) -> tuple:
         """(running rows, counting those being prefilled; waiting requests)."""
-        return len(self.run.rows) + len(self.run.joining), len(self._waiting)
+        return len(self.run.rows) + len(self.scheduler.joining), len(self._waiting)
 
     # ------------------------------------------------------------------ requests
 
@@ -221,7 +231,7 @@ class Engine:
         with self._cond:
             if not self._accepting:
                 raise RuntimeError("the server is shutting down")
-            room = max(0, self.max_batch - len(self.run.rows) - len(self.run.joining))
+            room = max(0, self.max_batch - len(self.run.rows) - len(self.scheduler.joining))
             if len(self._waiting) >= self.max_queue + room:
                 raise QueueFull
             self._waiting.append(ticket)
@@ -231,26 +241,22 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (self._waiting or self.run.rows or self.run.joining or self._finishing or self._stop):
+                    while not (self._waiting or self.run.rows or self.scheduler.joining or self._stop):
                         self._cond.wait()
                     if self._stop:
                         self._cut()
                         return
-                    finishing = list(self._finishing)
-                    self._finishing.clear()
                     admitted = []
                     while self._waiting and \
-                            len(self.run.rows) + len(self.run.joining) + len(admitted) < self.max_batch:
+                            len(self.run.rows) + len(self.scheduler.joining) + len(admitted) < self.max_batch:
                         admitted.append(self._waiting.popleft())
                     self._admitting = len(admitted)
-                for row, ticket in finishing:
-                    self._finish(row, ticket)
                 try:
                     self._turn(admitted)
-                except Exception as err:  # noqa: BLE001 - a fault outside any one request: end them, keep serving
+                except Exception as err:  # a fault outside any one request: end them, keep serving
                     _log.error("the engine's loop failed; ending the requests in the batch")
                     self._admitting = 0
-                    rows = self.run.abandon() + self.run.cut()
+                    rows = self.run.abandon() + self.scheduler.cut()
                     for row in rows:
                         row._fail(err)
                     self._report(rows)
@@ -260,7 +266,7 @@ class Engine:
         for ticket in admitted:
             self._admit(ticket)
             self._admitting -= 1
-        ended = self.run.prefill_pending()
+        ended = self.scheduler.prefill_pending()
         if self.run.rows:
             ended += self._step()
         self._report(ended)
@@ -280,9 +286,9 @@ class Engine:
             # assignment set the flag (read here), one that comes after finds the row (Ticket.cancel).
             ticket.row = row
             if ticket.cancelled:
-                row.cancel(ticket.keep)
-            self.run.enqueue(row)
-        except Exception as err:  # noqa: BLE001 - this request fails, the others go on
+                row.cancel(ticket.used)
+            self.scheduler.enqueue(row)
+        except Exception as err:  # this request fails, the others go on
             _log.exception("request failed to start")
             ticket.row = None
             ticket._emit("error", APIError(500, f"the request could not be started: {type(err).__name__}",
@@ -290,8 +296,8 @@ class Engine:
 
     def _step(self) -> list[Row]:
         try:
-            return self.run.step()
-        except Exception as err:  # noqa: BLE001 - a fault in the batch: fail its requests, keep serving
+            return self.scheduler.step()
+        except Exception as err:  # a fault in the batch: fail its requests, keep serving
             _log.error("a decoding step failed; ending the requests in the batch")
             rows = self.run.abandon()
             for row in rows:
@@ -311,26 +317,17 @@ class Engine:
                 continue
             self.completed += 1
             if row.held:
-                ticket._hold(functools.partial(self._finish_later, row, ticket))
+                ticket._hold(functools.partial(self._finish, row, ticket))
             ticket._emit("done", self._summary(row))
-
-    def _finish_later(self, row: Row, ticket: Ticket) -> None:
-        """Finish ``row``'s session on the engine's thread (which owns the drafter's writes), or here once the
-        engine has stopped."""
-        with self._cond:
-            thread = self._thread
-            if not self._stop and thread is not None and thread.is_alive():
-                self._finishing.append((row, ticket))
-                self._cond.notify()
-                return
-        self._finish(row, ticket)
 
     @staticmethod
     def _finish(row: Row, ticket: Ticket) -> None:
+        """Finish a held row's session, its output cut to what the ticket says the client was sent. Any thread:
+        the row is out of the batch, and the rolling cache takes adds from several threads."""
         try:
-            row.keep_at_most(ticket.keep)
+            row.limit_used(ticket.used)
             row.finish_session()
-        except Exception:  # noqa: BLE001 - the rolling cache misses this output; serving goes on
+        except Exception:  # the rolling cache misses this output; serving goes on
             _log.exception("could not add a finished request to the rolling cache")
 
     @staticmethod
@@ -352,11 +349,7 @@ class Engine:
         with self._cond:
             tickets = list(self._waiting)
             self._waiting.clear()
-            finishing = list(self._finishing)
-            self._finishing.clear()
-        for row, ticket in finishing:
-            self._finish(row, ticket)
-        rows = self.run.cut()
+        rows = self.scheduler.cut()
         for ticket in tickets + [row.owner for row in rows]:
             if ticket is None:
                 continue
@@ -396,7 +389,8 @@ class Engine:
                 ticket._emit("tokens", list(tokens))
 
         row = Row(prompt, resolved, session, ticket.max_tokens, pick, on_commit=on_commit, owner=ticket)
-        # With stop strings, the web layer may find one in tokens the row committed as it ended: its session waits
-        # for the web layer's verdict (Ticket.cancel), so that no token after a stop string joins the rolling cache.
-        row.hold_session = bool(req.stop)
+        # The web layer learns what the client got after the row committed it (a stop string in the last tokens, a
+        # client that left before the last text reached it): a row that ends by itself keeps its session open for
+        # the web layer's verdict (Ticket.release), so that only tokens the client was sent join the rolling cache.
+        row.hold_session = True
         return row

@@ -14,7 +14,6 @@ import secrets
 
 from .protocol import APIError, invalid
 
-
 # ---------------------------------------------------------------------------------------------------- prompts
 
 
@@ -81,7 +80,7 @@ def plain_ids(tokenizer, text: str) -> list:
 def _render(tokenizer, messages: list) -> str:
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as err:  # noqa: BLE001 - the template is fixed: whatever it raises, the messages caused it
+    except Exception as err:  # the template is fixed: whatever it raises, the messages caused it
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise APIError(400, f"the model's chat template refused these messages: {message}", param="messages",
                        code="invalid_messages") from None
@@ -111,10 +110,16 @@ class Detokenizer:
         self._hold = max((len(s) for s in stops), default=1) - 1
 
     @property
-    def kept_tokens(self) -> int:
+    def answer_tokens(self) -> int:
         """How many generated tokens the answer covers whole: after a stop string, those whose text ends before
-        it (what the client got, as far as whole tokens go)."""
-        return bisect.bisect_right(self.ends, len(self.text)) if self.stopped else len(self.ends)
+        it (what the client gets, as far as whole tokens go)."""
+        return self.tokens_within(len(self.text)) if self.stopped else len(self.ends)
+
+    def tokens_within(self, chars: int) -> int:
+        """How many of the generated tokens have their text within the answer's first ``chars`` characters (a
+        token that adds no text, a skipped special token or the first bytes of a character, counts with the
+        tokens before it)."""
+        return bisect.bisect_right(self.ends, chars)
 
     def add(self, tokens: list) -> str:
         if self.stopped:  # tokens of the pass that was running when the stop string appeared
@@ -178,7 +183,7 @@ def _stream_decoder(tokenizer):
     backend = getattr(tokenizer, "_tokenizer", None)
     try:
         from tokenizers import Tokenizer
-        from tokenizers.decoders import DecodeStream  # noqa: F401 - tokenizers >= 0.21
+        from tokenizers.decoders import DecodeStream  # noqa: F401 - imported to find tokenizers >= 0.21
     except ImportError:
         return WindowDecoder(tokenizer)
     return _FastDecoder(backend) if isinstance(backend, Tokenizer) else WindowDecoder(tokenizer)
