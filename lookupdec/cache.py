@@ -55,7 +55,11 @@ import pygtrie
 from ._fs import atomic_write
 from .errors import LookupdecError
 
-__all__ = ["CacheConfig", "CacheFileError", "ClientCaches", "RollingCache"]
+__all__ = ["CACHE_SCOPES", "CacheConfig", "CacheFileError", "ClientCaches", "RollingCache"]
+
+# Whose earlier answers a server's request drafts from (lookupdec serve --cache-scope, on either engine): its
+# client's (named by OpenAI's `user`; requests without one share a cache), everyone's, or nobody's.
+CACHE_SCOPES = ("user", "shared", "off")
 
 logger = logging.getLogger("lookupdec")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .cache import CACHE_SCOPES
 from .reformat.run import (
     DEFAULT_BATCH,
     ReformatOptions,
@@ -184,9 +185,13 @@ Exit codes:
                    "answered with a 503 (a stream: an error event, then [DONE]).")
 @click.option("--no-calibrate", is_flag=True, help="Skip measuring the pass cost at startup (once per machine, "
               "cached); the drafter then fits a straight line as it goes.")
+@click.option("--cache-scope", type=click.Choice(list(CACHE_SCOPES)), default="user", show_default=True,
+              help="Whose earlier answers a request drafts from: its client's (OpenAI's 'user' field; requests "
+                   "without one share), everyone's (fastest; but a client who times its answers could tell what "
+                   "others generated), or none. Answers are the same either way.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_key, device, dtype, drain_timeout,
-          no_calibrate, vllm_args):
+          no_calibrate, cache_scope, vllm_args):
     """Serve the model over OpenAI's API (chat and completions, streaming), honouring Predicted Outputs.
 
     \b
@@ -195,7 +200,7 @@ def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_
       lookupdec serve --port 8080 --max-batch 16 --cache ~/.cache/lookupdec/serve-cache.json
     """
     if engine == "vllm":
-        _serve_vllm(model_name, host, port, max_batch, api_key, dtype, vllm_args,
+        _serve_vllm(model_name, host, port, max_batch, api_key, dtype, cache_scope, vllm_args,
                     not_applicable={"--max-queue": max_queue != 64, "--cache": cache_path is not None,
                                     "--device": device != "auto", "--drain-timeout": drain_timeout != 30.0,
                                     "--no-calibrate": no_calibrate})
@@ -209,7 +214,7 @@ def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_
 
     options = ServeOptions(model=model_name, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
                            cache=cache_path, api_key=api_key, device=device, dtype=dtype,
-                           drain_timeout=drain_timeout, calibrate=not no_calibrate)
+                           drain_timeout=drain_timeout, calibrate=not no_calibrate, cache_scope=cache_scope)
     try:
         run_server(options, say=lambda line: click.echo(line, err=True))
     except ServeError as err:
@@ -217,17 +222,18 @@ def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_
         raise click.exceptions.Exit(2) from None
 
 
-def _serve_vllm(model_name, host, port, max_batch, api_key, dtype, vllm_args, not_applicable) -> None:
+def _serve_vllm(model_name, host, port, max_batch, api_key, dtype, cache_scope, vllm_args, not_applicable) -> None:
     given = [name for name, is_set in not_applicable.items() if is_set]
     if given:
         click.echo(f"error: {', '.join(given)} apply to --engine transformers only; vLLM's own settings go after "
                    "-- (docs/vllm.md)", err=True)
         raise click.exceptions.Exit(2)
+    from .vllm import ProposerOptions
     from .vllm.launch import LaunchError, VllmOptions, run
 
     api_key = api_key or os.environ.get("LOOKUPDEC_API_KEY") or None
     options = VllmOptions(model=model_name, host=host, port=port, max_batch=max_batch, api_key=api_key,
-                          dtype=dtype, extra=list(vllm_args))
+                          dtype=dtype, proposer=ProposerOptions(cache_scope=cache_scope), extra=list(vllm_args))
     try:
         code = run(options, say=lambda line: click.echo(line, err=True))
     except LaunchError as err:

@@ -239,14 +239,15 @@ def _prediction_too_large(size: str, context: int) -> APIError:
 def _usage(ticket: Ticket, summary: dict, completion_ids: list) -> dict:
     """OpenAI's usage object: ``completion_tokens`` are the answer's tokens (up to a stop string); the prediction
     counts in OpenAI's meaning (the prediction's tokens that do / do not appear in the answer); ``lookup``: this
-    server's own figures (passes, drafted and accepted tokens, and the drafted tokens copied from the prediction
-    that the model kept or refused)."""
+    server's own figures (passes, drafted and accepted tokens, the drafted tokens copied from the prediction that
+    the model kept or refused, and the drafted tokens copied from earlier answers)."""
     accepted, rejected = protocol.prediction_usage(ticket.prediction_ids, completion_ids) \
         if ticket.prediction_ids else (0, 0)
     out = protocol.usage(len(ticket.prompt_ids), len(completion_ids), accepted, rejected)
     out["lookup"] = {key: summary.get(key, 0) for key in ("passes", "drafted_tokens", "accepted_tokens")}
     out["lookup"]["prediction_drafts_accepted"] = summary.get("accepted_prediction_tokens", 0)
     out["lookup"]["prediction_drafts_rejected"] = summary.get("rejected_prediction_tokens", 0)
+    out["lookup"]["cache_drafted_tokens"] = summary.get("cache_drafted_tokens", 0)
     return out
 
 

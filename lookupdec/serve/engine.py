@@ -41,6 +41,7 @@ import torch
 
 from .._transformers import resolve_generation
 from ..batch import BatchRun, Row
+from ..cache import CACHE_SCOPES
 from ..calibration import calibrate_or_warn
 from ..drafter import Drafter, NoDrafts
 from ..verify import verify_greedy, verify_keyed
@@ -148,9 +149,15 @@ class Ticket:
 class Engine:
     """Runs every request on one batched loop in a thread of its own (:meth:`start`, :meth:`stop`)."""
 
-    def __init__(self, model, tokenizer, drafter: Drafter, *, max_batch: int = 8, max_queue: int = 64):
+    def __init__(self, model, tokenizer, drafter: Drafter, *, max_batch: int = 8, max_queue: int = 64,
+                 cache_scope: str = "user"):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        if cache_scope not in CACHE_SCOPES:
+            raise ValueError(f"cache_scope must be one of {', '.join(CACHE_SCOPES)}, got {cache_scope!r}")
+        # Whose earlier answers a request drafts from: its client's (OpenAI's `user`; requests without one share),
+        # everyone's, or nobody's (docs/vllm.md, "Whose earlier answers a request drafts from").
+        self.cache_scope = cache_scope
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.run = BatchRun(model, drafter)
         self.scheduler = PrefillScheduler(self.run)
@@ -341,6 +348,7 @@ class Engine:
             "passes": row.stats.target_passes,
             "drafted_tokens": row.stats.drafted_tokens,
             "accepted_tokens": row.stats.accepted_tokens,
+            "cache_drafted_tokens": getattr(session, "cache_drafted", 0),
         }
 
     def _cut(self) -> None:
@@ -372,7 +380,9 @@ class Engine:
                                       **overrides)
         if req.lookup:
             session = self.drafter.start(np.asarray(ticket.prompt_ids, dtype=np.int32), eos_ids=resolved.eos_ids,
-                                         prediction=ticket.prediction_ids)
+                                         prediction=ticket.prediction_ids,
+                                         client=req.user if self.cache_scope == "user" else None,
+                                         use_cache=self.cache_scope != "off")
         else:
             session = NoDrafts()
         if resolved.do_sample:

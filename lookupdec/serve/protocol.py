@@ -74,6 +74,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     lookup: bool = True  # False: no drafting for this request
+    user: str | None = None  # OpenAI's end-user id: names the client whose rolling cache the request uses
 
     @property
     def greedy(self) -> bool:
@@ -342,6 +343,7 @@ def parse(body, kind: str, models: list[str]) -> Request:
         stream=bool(checked.stream),
         include_usage=checked.stream_options is not None and checked.stream_options.include_usage,
         lookup=checked.lookup,
+        user=checked.user or None,
         prediction=None if checked.prediction is None else _joined(checked.prediction.content),
     )
     if kind == "chat":

@@ -36,6 +36,7 @@ class ServeOptions:
     dtype: str = "default"
     drain_timeout: float = 30.0  # seconds the requests in flight get to finish at shutdown
     calibrate: bool = True  # measure the pass cost (once per machine); False: a straight-line fit learned online
+    cache_scope: str = "user"  # whose earlier answers a request drafts from (lookupdec.cache.CACHE_SCOPES)
 
 
 def serve(options: ServeOptions, say=print) -> None:
@@ -49,14 +50,17 @@ def serve(options: ServeOptions, say=print) -> None:
         raise ServeError(f"the server needs its extra: pip install 'lookupdec[serve]' ({err})") from None
     from ..models import ModelLoadError
 
+    if options.cache is not None and options.cache_scope == "off":
+        raise ServeError("--cache keeps the rolling cache of earlier answers, and --cache-scope off keeps none")
     try:
         model, tokenizer = load_model(options.model, device=options.device, dtype=options.dtype, progress=True)
     except (ModelLoadError, ValueError) as err:
         raise ServeError(str(err)) from None
     name = options.model or DEFAULT_MODEL
     cache = _load_cache(options.cache, say)
-    drafter = Drafter(DrafterConfig(calibrate=options.calibrate), cache=cache)
-    engine = Engine(model, tokenizer, drafter, max_batch=options.max_batch, max_queue=options.max_queue)
+    drafter = Drafter(DrafterConfig(calibrate=options.calibrate, use_cache=options.cache_scope != "off"), cache=cache)
+    engine = Engine(model, tokenizer, drafter, max_batch=options.max_batch, max_queue=options.max_queue,
+                    cache_scope=options.cache_scope)
     said = []
 
     def measuring() -> None:

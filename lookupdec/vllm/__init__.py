@@ -22,6 +22,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from ..cache import CACHE_SCOPES
+
 # The request fields (vLLM's ``vllm_xargs``, i.e. ``SamplingParams.extra_args``) that carry a request's prediction
 # (token ids) and its client (OpenAI's ``user``) from the HTTP layer to the proposer. Every key with this prefix is
 # lookupdec's: only the middleware sets them, and it refuses a request that sets one itself.
@@ -31,7 +33,6 @@ CLIENT_ARG = OWNED_PREFIX + "client"
 
 # The key of the proposer's options in vLLM's ``--additional-config`` (which vLLM hands every process).
 OPTIONS_KEY = "lookupdec"
-CACHE_SCOPES = ("shared", "user", "off")
 
 
 @dataclass(frozen=True)
