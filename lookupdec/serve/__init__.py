@@ -3,8 +3,11 @@ other requests' outputs and its ``prediction`` (Predicted Outputs), on one batch
 
 - ``protocol``: request bodies checked into a :class:`~lookupdec.serve.protocol.Request`, responses and errors
   in OpenAI's shape (plain data, no model);
+- ``scheduler``: requests joining the running batch, their prompts prefilled in chunks between its steps
+  (:class:`~lookupdec.serve.scheduler.PrefillScheduler`);
 - ``engine``: the thread that owns the model and the running batch, and each request's
   :class:`~lookupdec.serve.engine.Ticket`;
+- ``text``: prompts as token ids, answers decoded incrementally and cut at stop strings;
 - ``app``: the FastAPI routes, streaming, stop strings, authentication;
 - ``run``: loading the model and the rolling cache, calibrating, and running uvicorn until a signal
   (:func:`~lookupdec.serve.run.serve`).
