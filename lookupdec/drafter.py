@@ -40,7 +40,7 @@ from __future__ import annotations
 import numbers
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Union
 
 import numpy as np
@@ -49,6 +49,7 @@ from .cache import CacheConfig, ClientCaches, RollingCache
 from .index import NgramIndex
 from .policy import (
     Acceptance,
+    Ledger,
     Offer,
     PassCost,
     best_batch_length,
@@ -84,12 +85,16 @@ class DrafterConfig:
     # The never-slower guard of the adaptive length: draft nothing when no length beats a plain step. False keeps
     # the adaptive choice but drafts at least one token whenever there is a candidate, for ablations.
     guard: bool = True
-    # In a batch, the guard also bounds what one row pays for the others' drafts: a draft length is taken only if
-    # no row's expected time per token exceeds a plain batched step by more than this fraction. Where verifying
-    # gets dearer with the width (CPUs), a request with nothing to copy would otherwise run as slowly as the
-    # widest draft beside it. On one CPU core (8 requests at once, 6 edits and 2 open-ended) it raised the
-    # batch's throughput from 31.7 to 42.0 tok/s: the open-ended rows set when the batch ends.
+    # In a batch, the guard also bounds what one pass may cost a row in expectation: a draft length is taken only
+    # if no row's expected time per token exceeds a plain batched step by more than this fraction. Where verifying
+    # gets dearer with the width (CPUs), a request with nothing to copy would otherwise run at the pace of the
+    # widest draft beside it, and such rows set when a batch ends (docs/design.md).
     batch_slowdown: float = 0.2
+    # Never slower, per request: a pass is drafted only if, were every drafted token rejected, no request in it
+    # would have lost more than this fraction of its plain decoding time (plus policy.START_TOKENS tokens' worth)
+    # to drafts, its own or, in a batch, the other rows' (policy.Ledger). Drafts that paid refill the room, so
+    # copy-heavy text keeps its speed. None: no such bound (throughput first).
+    max_slowdown: float | None = 0.05
     # Price drafts with the target's measured pass cost at every draft length (lookupdec.calibrate: measured once
     # per model, device and thread count, then cached on disk) instead of a straight-line fit. False keeps the
     # online straight-line fit, for ablations and for callers that must not spend the few seconds it takes.
@@ -123,6 +128,10 @@ class DrafterConfig:
         if isinstance(self.batch_slowdown, bool) or not isinstance(self.batch_slowdown, (int, float)) \
                 or not self.batch_slowdown >= 0:
             raise ValueError(f"batch_slowdown must be a number >= 0, got {self.batch_slowdown!r}")
+        value = self.max_slowdown
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value < float("inf")):
+            raise ValueError(f"max_slowdown must be a number >= 0 or None, got {value!r}")
 
 
 
@@ -261,33 +270,55 @@ class Drafter:
         (transformers' sampling rule), so when there is a candidate the best length of at least one token is
         drafted even where a plain step would pay better; empty still means no candidate. ``widths``: the caller
         pads each pass (draft + 1 tokens) to one of these widths (a static cache), so drafts are priced as the
-        padded pass (:func:`~lookupdec.policy.padded_costs`)."""
+        padded pass (:func:`~lookupdec.policy.padded_costs`).
+
+        Each session's :class:`~lookupdec.policy.Ledger`, where it keeps one, is charged the pass's price: the
+        bound on how much slower than plain decoding drafting may make any request in the pass."""
         offers = [session.offer(limit) for session, limit in zip(sessions, limits, strict=True)]
         fixed = any(getattr(session, "reproducible", False) for session in sessions)
-        length = self.length(offers, must_draft=must_draft, fixed=fixed, widths=widths)
+        length, price = self._choose(offers, must_draft=must_draft, fixed=fixed, widths=widths)
+        for session in sessions:
+            ledger = getattr(session, "ledger", None)
+            if ledger is not None:
+                ledger.charge(price)
         return [session.take(length) for session in sessions]
 
     def length(self, offers: Sequence[Offer], *, must_draft: bool = False, fixed: bool = False,
                widths: Sequence[int] | None = None) -> int:
         """How many tokens of the ``offers`` (one per row of a pass) :meth:`propose` drafts: the longest offer
         without the adaptive length; else the length with the most expected tokens per unit of cost, priced with
-        the single-row cost (one row) or the batch's (several), and 0 where the guard finds none that pays."""
+        the single-row cost (one row) or the batch's (several), and 0 where the guard finds none that pays or the
+        rows' rooms (:class:`~lookupdec.policy.Ledger`) allow none."""
+        return self._choose(offers, must_draft=must_draft, fixed=fixed, widths=widths)[0]
+
+    def _choose(self, offers: Sequence[Offer], *, must_draft: bool, fixed: bool,
+                widths: Sequence[int] | None) -> tuple:
+        """``(length, price)``: :meth:`length`, and what the pass costs relative to a plain step of its rows."""
         cfg = self.drafter_config
         longest = max((offer.tokens.size for offer in offers), default=0)
-        if not cfg.adaptive or longest == 0:
-            return longest
-        margin = cfg.margin(must_draft)
+        if longest == 0:
+            return 0, 1.0
         cost = self.batch_cost(len(offers))
         if widths:
             costs = padded_costs(cost.costs(padded_width(longest + 1, widths) - 1, refined=not fixed), widths)
         else:
             costs = cost.costs(longest, refined=not fixed)
+        if not cfg.adaptive:
+            length = min(longest, costs.size - 1)
+            return length, float(costs[length])
+        margin = cfg.margin(must_draft)
+        if must_draft or not cfg.guard:  # a caller that must draft, or an ablation without the guard: no room
+            offers = [replace(offer, room=float("inf")) for offer in offers]
         if len(offers) == 1:
-            length = best_draft_length(offers[0].first, offers[0].then, costs, margin=margin)
+            length = best_draft_length(offers[0].first, offers[0].then, costs, margin=margin, room=offers[0].room)
         else:
             length = best_batch_length(offers, costs, margin=margin, slowdown=cfg.slowdown(must_draft))
-        # A calibrated profile learns from the passes run; now and then it asks for one it would not choose.
-        return cost.probe(length, longest) if cfg.guard and not (must_draft or fixed) else length
+        if cfg.guard and not (must_draft or fixed):
+            # A calibrated profile learns from the passes run; now and then it asks for one it would not choose
+            # (at most one pass per band of lengths, for every drafter of the model and setting): the one pass a
+            # row's room does not bound, since a profile priced too dear would otherwise never be contradicted.
+            length = min(cost.probe(length, longest), costs.size - 1)
+        return length, float(costs[length])
 
     def observe(self, rows: int, drafted: int, seconds: float) -> None:
         """Feed the cost fit: a pass over ``rows`` rows, ``drafted`` positions wide beyond each row's last token,
@@ -325,6 +356,7 @@ class DraftSession:
         self.cache_drafted = 0  # drafted tokens copied from the rolling cache of earlier outputs
         self.cache_accepted = 0  # ... of which the target kept
         self._calibration = drafter.acceptance.record()  # this request's own record of how its drafts fared
+        self.ledger = Ledger(cfg.max_slowdown)  # what the passes it was in cost it beyond plain decoding
         if prediction is not None and prediction.size:
             start = sum(len(p) for p in parts)
             self._prediction = (start, start + len(prediction))
@@ -350,13 +382,14 @@ class DraftSession:
         self._offered = (None, -1, EMPTY)
         self._pending = (None, -1, EMPTY)
         if limit <= 0:
-            return Offer(EMPTY, 0.0, 0.0)
+            return Offer(EMPTY, 0.0, 0.0, self.ledger.room())
         bucket_, src, candidate = self._candidate(limit)
         if bucket_ is None:
-            return Offer(EMPTY, 0.0, 0.0)
+            return Offer(EMPTY, 0.0, 0.0, self.ledger.room())
         candidate = self._clip(candidate)
         self._offered = (bucket_, src, candidate)
-        return Offer(candidate, *self.drafter.acceptance.estimate(bucket_, self._calibration))
+        first, then = self.drafter.acceptance.estimate(bucket_, self._calibration)
+        return Offer(candidate, first, then, self.ledger.room())
 
     def take(self, length: int) -> np.ndarray:
         """Draft the first ``length`` tokens of the last :meth:`offer`; 0 skips this draft."""
@@ -464,6 +497,7 @@ class DraftSession:
                 self.cache_accepted += accepted
         if seconds is not None:
             self.drafter.observe(1, len(draft), seconds)
+        self.ledger.settle(len(new))
         self.index.extend(new)
         # Follow the source the draft came from (or the cursor, if nothing was drafted) through the new tokens.
         t = source if source is not None else src if src >= 0 else self._cursor
@@ -515,18 +549,23 @@ class DraftSession:
 
 
 class NoDrafts:
-    """A session that never drafts: plain decoding through the same loops (the server's ``"lookup": false``)."""
+    """A session that never drafts: plain decoding through the same loops (the server's ``"lookup": false``). In a
+    batch beside drafting rows it keeps a :class:`~lookupdec.policy.Ledger` too, so that their drafts slow it no
+    more than ``max_slowdown`` allows."""
 
     prediction_accepted = prediction_rejected = cache_drafted = cache_accepted = 0
 
+    def __init__(self, max_slowdown: float | None = DrafterConfig.max_slowdown):
+        self.ledger = Ledger(max_slowdown)
+
     def offer(self, limit: int) -> Offer:
-        return Offer(EMPTY, 0.0, 0.0)
+        return Offer(EMPTY, 0.0, 0.0, self.ledger.room())
 
     def take(self, length: int) -> np.ndarray:
         return EMPTY
 
     def commit(self, tokens: Sequence[int], seconds: float | None = None) -> None:
-        pass
+        self.ledger.settle(len(tokens))
 
     def finish(self, generated: int | None = None) -> None:
         pass

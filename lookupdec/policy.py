@@ -10,6 +10,9 @@ same functions, and none of it needs a model.
 - :func:`best_draft_length` (one row) and :func:`best_batch_length` (one length for a batch of rows) pick the
   length with the most expected tokens per unit of time, or 0 when none beats a plain step by a margin: the
   never-slower guard. In a batch, the guard also bounds how much slower any one row runs for the others' drafts.
+- :class:`Ledger` keeps, per request, what the passes it was in cost it beyond plain decoding: a draft is made only
+  where, were it rejected outright, no request in the pass would end up more than ``max_slowdown`` slower than
+  plain decoding (the room each :class:`Offer` carries).
 """
 
 from __future__ import annotations
@@ -372,13 +375,16 @@ def padded_costs(costs: np.ndarray, widths: Sequence[int]) -> np.ndarray:
     return costs[[padded_width(d + 1, widths) - 1 for d in lengths]]
 
 
-def best_draft_length(first: float, then: float, costs: Sequence[float], *, margin: float = 0.02) -> int:
+def best_draft_length(first: float, then: float, costs: Sequence[float], *, margin: float = 0.02,
+                      room: float = float("inf")) -> int:
     """The draft length with the most expected tokens per unit of time, or 0 if none beats a plain step by
     ``margin``. ``costs[d]`` is the relative time of a pass with ``d`` drafted tokens (``costs[0] == 1``; its
     length bounds the draft). Expected tokens for ``d`` drafted: ``1 + first * (1 + then + ... + then^(d-1))``
     (the 1 is the target's own token). Measured costs need not grow with ``d`` (on this project's CPU a pass of 3
     drafted tokens is cheaper than one of 2), so every length is weighed."""
+    costs = cost_curve(costs)
     gains = draft_gains(first, then, costs)[1:]
+    gains[costs[1:] - 1.0 > room] = -np.inf  # a length whose pass, rejected outright, would overdraw the room
     if gains.size < 1:
         return 0
     best = int(np.argmax(gains))  # the shortest of equal bests
@@ -394,6 +400,46 @@ def draft_gains(first: float, then: float, costs: Sequence[float]) -> np.ndarray
     return tokens / costs
 
 
+# Tokens' worth of allowance a request starts with under a slowdown bound (Ledger): room for a first probe before
+# the request has produced anything to earn it, at most max_slowdown * START_TOKENS plain steps of loss in all.
+START_TOKENS = 16
+
+
+@dataclass
+class Ledger:
+    """One request's account against plain decoding, in plain steps: each pass it is in costs it ``price`` (the
+    pass's time relative to a plain step of the same rows, priced by the cost model) and produces its accepted
+    tokens plus one, where a plain step produces one. ``excess`` sums ``price - produced``: the time the request has
+    lost to drafts so far (negative: saved).
+
+    The bound, in one sentence: a pass is drafted only if, were every drafted token rejected, the request's excess
+    would stay within ``max_slowdown`` times the tokens it has produced, plus :data:`START_TOKENS`. So a request
+    never runs more than ``max_slowdown`` slower than plain decoding, plus ``max_slowdown * START_TOKENS`` steps,
+    whatever drafts it or the rows beside it make (as far as the cost model prices passes right); drafts that paid
+    refill the room. ``max_slowdown=None``: no bound."""
+
+    max_slowdown: float | None = None
+    excess: float = 0.0
+    produced: int = 0
+    price: float = 1.0  # of the pass now being run, until settled
+
+    def room(self) -> float:
+        """How much longer than a plain step the next pass may take for this request (``inf``: unbounded)."""
+        if self.max_slowdown is None:
+            return float("inf")
+        return max(self.max_slowdown * (self.produced + 1 + START_TOKENS) - self.excess, 0.0)
+
+    def charge(self, price: float) -> None:
+        """The pass now being run costs ``price`` plain steps."""
+        self.price = float(price)
+
+    def settle(self, produced: int) -> None:
+        """The pass produced ``produced`` tokens for this request."""
+        self.excess += self.price - produced
+        self.produced += produced
+        self.price = 1.0
+
+
 @dataclass(frozen=True)
 class Offer:
     """What a session could draft next: the longest candidate and the odds of its tokens being accepted."""
@@ -401,6 +447,12 @@ class Offer:
     tokens: np.ndarray  # int32, possibly empty
     first: float  # chance the first token is accepted
     then: float  # chance each later token is, given the ones before it were
+    room: float = float("inf")  # how much longer than a plain step the pass may take for this request (Ledger)
+
+
+def room_of(offers: Sequence[Offer]) -> float:
+    """The tightest room among the rows of a pass: every row pays for the pass."""
+    return min((offer.room for offer in offers), default=float("inf"))
 
 
 def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], *, margin: float = 0.02,
@@ -413,8 +465,11 @@ def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], *, margin
     ``slowdown`` bounds what one row pays for the others' drafts: a length is taken only if every row's expected
     time per token, ``costs[d]`` over its expected tokens, stays within ``1 + slowdown`` plain steps. Without the
     bound, a row with nothing to copy (open-ended text beside edits) would run as slowly as the widest pass where
-    verifying costs grow with the width (CPUs), though the batch as a whole gains."""
+    verifying costs grow with the width (CPUs), though the batch as a whole gains. Each offer's ``room``
+    (:class:`Ledger`) bounds the pass's cost outright: a length is taken only if its pass, rejected in every row,
+    would overdraw no row's room."""
     rows = len(offers)
+    room = room_of(offers)
     costs = cost_curve(costs)
     longest = min(max((o.tokens.size for o in offers), default=0), costs.size - 1)
     best_d, best_gain = 0, 1.0 + margin
@@ -426,7 +481,7 @@ def best_batch_length(offers: Sequence[Offer], costs: Sequence[float], *, margin
         drafting = sizes >= d
         expected[drafting] += reach[drafting]
         reach[drafting] *= then[drafting]
-        if costs[d] > (1.0 + slowdown) * expected.min():
+        if costs[d] > (1.0 + slowdown) * expected.min() or costs[d] - 1.0 > room:
             continue
         gain = expected.sum() / (rows * costs[d])
         if gain > best_gain:
@@ -497,7 +552,9 @@ def token_lengths(offers: Sequence[Offer], base: float, per_token: float, *, oth
     (``first * then ** (d - 1)``). Those chances fall along each row, so taking drafted tokens in falling order of
     worth, while the next one's worth exceeds the running tokens-per-second times its cost, gives the best set
     (each row's share a prefix of its offer). ``slowdown`` bounds what a row without drafts pays for the others':
-    the pass may take at most ``1 + slowdown`` times a plain one."""
+    the pass may take at most ``1 + slowdown`` times a plain one, and at most ``1 + room`` for the tightest of the
+    offers' rooms (:class:`Ledger`)."""
+    slowdown = min(slowdown, room_of(offers))
     rows = len(offers)
     lengths = [0] * rows
     if rows == 0 or per_token <= 0 and base <= 0:

@@ -361,6 +361,41 @@ def test_with_the_user_scope_a_client_never_drafts_from_another_clients_answer(t
         assert other.cache_drafted == again.cache_drafted == 0 and engine.proposer.drafter.cache is None
 
 
+def test_a_request_with_nothing_to_copy_pays_at_most_the_bound_for_the_others_drafts(tiny_model):
+    # An open-ended row (nothing to copy) beside a row whose prediction is its answer, on a fixed
+    # cost line (a drafted token costs 10% of a step's fixed part): the open row's account against plain decoding
+    # stays within max_slowdown of its tokens (plus the start allowance); without the bound it does not.
+    from lookupdec.policy import START_TOKENS
+
+    copy_prompt, open_prompt = _random_prompt(tiny_model, 40), _random_prompt(tiny_model, 41)
+    answer = _greedy(tiny_model, copy_prompt, 120)
+    ledgers, drafted = {}, {}
+    for bound in (0.05, None):
+        engine = _Engine(tiny_model, k=16, options={"max_slowdown": bound, "cache_scope": "off"})
+        engine.proposer.cost.line = lambda: (1.0, 0.1)
+        started = {}
+        real = engine.proposer.drafter.start
+
+        def start(prompt, real=real, started=started, **kwargs):
+            started[len(started)] = session = real(prompt, **kwargs)
+            session.is_open = list(prompt) == open_prompt
+            if session.is_open:  # nothing to copy (a tiny random model may repeat itself, which would copy)
+                session.offer = lambda limit, s=session: Offer(np.zeros(0, dtype=np.int32), 0.0, 0.0, s.ledger.room())
+            return session
+
+        engine.proposer.drafter.start = start
+        engine.add("copy", copy_prompt, 120, prediction=answer)
+        engine.add("open", open_prompt, 60)
+        outputs = _drive(engine)
+        assert outputs["open"] == _greedy(tiny_model, open_prompt, 60) and outputs["copy"] == answer
+        (ledgers[bound],) = [session.ledger for session in started.values() if session.is_open]
+        drafted[bound] = sum(engine.lengths["copy"])
+    bounded, free = ledgers[0.05], ledgers[None]
+    assert bounded.excess <= 0.05 * (bounded.produced + START_TOKENS) + 1e-9
+    assert free.excess > 0.05 * (free.produced + START_TOKENS)
+    assert 0 < drafted[0.05] < drafted[None]
+
+
 def test_max_slowdown_bounds_what_a_step_may_cost(tiny_model):
     prompt = _prompts(tiny_model, count=1, seed=38)[0][0].tolist()
     drafted = {}

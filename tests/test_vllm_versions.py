@@ -139,14 +139,14 @@ def test_lookupdec_serve_passes_the_proposers_options_in_vllms_additional_config
         assert args.count("--additional-config") == 1
         return json.loads(args[args.index("--additional-config") + 1])
 
-    assert config() == {"lookupdec": {"cache_scope": "user", "max_slowdown": None}}
+    assert config() == {"lookupdec": {"cache_scope": "user", "max_slowdown": 0.05}}
     assert config(proposer=ProposerOptions(cache_scope="off", max_slowdown=0.1)) == {
         "lookupdec": {"cache_scope": "off", "max_slowdown": 0.1}}
     # A user's own --additional-config after -- keeps its keys, joined by lookupdec's.
     assert config(extra=["--additional-config", '{"kv": 1}', "--max-model-len", "64"]) == {
-        "kv": 1, "lookupdec": {"cache_scope": "user", "max_slowdown": None}}
+        "kv": 1, "lookupdec": {"cache_scope": "user", "max_slowdown": 0.05}}
     assert config(extra=['--additional-config={"kv": 2}']) == {"kv": 2, "lookupdec": {"cache_scope": "user",
-                                                                                       "max_slowdown": None}}
+                                                                                       "max_slowdown": 0.05}}
     for bad, message in ((["--additional-config", "{"], "not JSON"), (["--additional-config", "[1]"], "object"),
                          (["--additional-config", '{"lookupdec": {}}'], "--cache-scope")):
         with pytest.raises(launch.LaunchError, match=message):

@@ -43,9 +43,10 @@ class ProposerOptions:
     # the middleware; requests without one share one cache), "shared" (every request's: a client who times its
     # answers could tell whether others recently generated a text), "off" (none).
     cache_scope: str = "user"
-    # A drafting step may take at most 1 + max_slowdown times a step without drafts (None: no bound). Every row of
-    # vLLM's batch waits for the step, so this bounds what drafting costs a request that has nothing to copy.
-    max_slowdown: float | None = None
+    # Never slower, per request: a step is drafted only if, were every drafted token rejected, no request in it
+    # would have lost more than this fraction of its plain decoding time to drafts (its own or the other rows', all
+    # of which it waits for), plus a few tokens' worth (lookupdec.policy.Ledger). None: no bound (throughput first).
+    max_slowdown: float | None = 0.05
 
     def __post_init__(self):
         if self.cache_scope not in CACHE_SCOPES:

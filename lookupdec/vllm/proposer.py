@@ -99,7 +99,8 @@ class LookupProposer:
         self.vocab_size = _internals.vocab_size(vllm_config)
         if drafter is None:
             drafter = Drafter(DrafterConfig(max_draft=max(1, min(self.k, 256)), calibrate=False,
-                                            use_cache=self.options.cache_scope != "off"))
+                                            use_cache=self.options.cache_scope != "off",
+                                            max_slowdown=self.options.max_slowdown))
         self.drafter = drafter
         self.cost = TokenCost()
         self._requests: dict = {}  # req_id -> _Tracked
@@ -144,12 +145,15 @@ class LookupProposer:
         req_ids = view.req_ids()[:rows]
         self._forget(view.live())
         shared, own = [], []  # (row, req_id, session, offer): priced together / each alone
+        ledgers = []  # of every row in the step priced on the fitted line, drafting or not: each pays for the step
         for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             if req_id is None or not sampled or req_id in self._faulted:
                 continue
             try:
                 n = int(num_tokens_no_spec[row])
                 tracked = self._track(view, req_id, token_ids_cpu[row], n)
+                if tracked.own is None:
+                    ledgers.append(tracked.session.ledger)
                 limit = min(self.k, self.max_model_len - n - 1)
                 if tracked.info.max_tokens is not None:
                     limit = min(limit, tracked.info.max_tokens - (n - tracked.info.prompt_len) - 1)
@@ -160,33 +164,46 @@ class LookupProposer:
                 self._fault(req_id, err)
                 continue
             (own if tracked.own is not None else shared).append(entry)
-        lengths = self._lengths([entry[3] for entry in shared], others=rows - len(shared))
-        chosen = list(zip(shared, lengths)) + [(entry, self._own_length(entry[3])) for entry in own]
-        for (row, req_id, session, _), length in chosen:
+        base, per_token = self.cost.line()
+        plain = base + per_token * rows  # the step with every row's last token and no drafts
+        own_lengths = [self._own_length(entry) for entry in own]
+        room = min((ledger.room() for ledger in ledgers), default=float("inf"))
+        room -= per_token * sum(own_lengths) / plain  # what the seeded rows' drafts take of it
+        lengths = self._lengths([entry[3] for entry in shared], base, per_token, rows - len(shared), max(room, 0.0))
+        drafted = 0
+        for (row, req_id, session, _), length in list(zip(shared, lengths)) + list(zip(own, own_lengths)):
             try:
                 drafts[row] = session.take(length).tolist()
+                drafted += len(drafts[row])
             except Exception as err:
                 self._fault(req_id, err)
+        price = (plain + per_token * drafted) / plain
+        for ledger in ledgers:
+            ledger.charge(price)
 
-    def _lengths(self, offers: list, others: int) -> list:
-        """The rows' lengths, priced together on the fitted cost line; ``others``: rows in the step that draft
-        nothing here but schedule their last token."""
+    def _lengths(self, offers: list, base: float, per_token: float, others: int, room: float) -> list:
+        """The rows' lengths, priced together on the fitted cost line (``base + per_token * tokens``);
+        ``others``: rows in the step that draft nothing here but schedule their last token; ``room``: how much
+        longer than a plain step the step may take for the tightest row in it (:class:`~lookupdec.policy.Ledger`)."""
         if not offers:
             return []
         cfg = self.drafter.drafter_config
         if not cfg.adaptive:
             return [offer.tokens.size for offer in offers]
-        base, per_token = self.cost.line()
-        slowdown = float("inf") if self.options.max_slowdown is None else self.options.max_slowdown
-        return token_lengths(offers, base, per_token, others=others, margin=cfg.margin(), slowdown=slowdown)
+        return token_lengths(offers, base, per_token, others=others, margin=cfg.margin(), slowdown=room)
 
-    def _own_length(self, offer) -> int:
-        """A seeded sampled request's length: priced alone, on the cost model's fixed prior line, so that it
-        depends on the request's own tokens only."""
+    def _own_length(self, entry) -> int:
+        """A seeded sampled request's length: priced alone, on the cost model's fixed prior line, and charged to
+        its own ledger at that price, so that it depends on the request's own tokens only (the bound on what
+        others' drafts cost it is then on that line too)."""
+        session, offer = entry[2], entry[3]
         cfg = self.drafter.drafter_config
         if not cfg.adaptive:
             return offer.tokens.size
-        return token_lengths([offer], 1.0, TokenCost.PRIOR_SHARE, margin=cfg.margin())[0]
+        share = TokenCost.PRIOR_SHARE
+        length = token_lengths([offer], 1.0, share, margin=cfg.margin())[0]
+        session.ledger.charge((1.0 + share * (1 + length)) / (1.0 + share))
+        return length
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -1,0 +1,130 @@
+"""Never slower, per request (``DrafterConfig.max_slowdown``, :class:`lookupdec.policy.Ledger`): a pass is drafted
+only if, were every drafted token rejected, no request in it would have lost more than ``max_slowdown`` of its
+plain decoding time (plus ``START_TOKENS`` tokens' worth) to drafts, its own or the other rows'.
+
+The verdicts are about the drafter's accounts, priced with pass costs set by hand (no timings): the excess each
+request ends with against plain decoding, when its drafts keep failing, and when it has nothing to copy beside a
+row that drafts. Each is checked against the same run without the bound, which overdraws it.
+"""
+
+import numpy as np
+import pytest
+from helpers_costs import cpu_like, fixed_costs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookupdec.drafter import Drafter, DrafterConfig, NoDrafts
+from lookupdec.policy import START_TOKENS, Ledger, Offer, best_batch_length, best_draft_length, token_lengths
+
+BOUND = 0.05
+TOKENS = 200
+
+
+def _bounded(ledger: Ledger) -> bool:
+    return ledger.excess <= BOUND * (ledger.produced + START_TOKENS) + 1e-9
+
+
+def _drafter(max_slowdown=BOUND):
+    # No per-pass bound in expectation (batch_slowdown): the ledger's bound alone.
+    config = DrafterConfig(max_draft=16, use_cache=False, calibrate=False, batch_slowdown=float("inf"),
+                           max_slowdown=max_slowdown)
+    return fixed_costs(Drafter(config), cpu_like)
+
+
+def _run(drafter, sessions, target, steps=TOKENS):
+    """Drive ``sessions`` in passes of one length for all, as the batch loop does: ``target(row, position,
+    draft)`` says what the target produces for that row after seeing ``draft``."""
+    made = [0] * len(sessions)
+    for _ in range(steps):
+        drafts = drafter.propose(sessions, [16] * len(sessions))
+        for row, (session, draft) in enumerate(zip(sessions, drafts)):
+            tokens = target(row, made[row], draft)
+            session.commit(tokens)
+            made[row] += len(tokens)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.integers(1, 17)), max_size=60))
+def test_a_ledger_that_only_takes_passes_within_its_room_stays_within_the_bound(passes):
+    # The invariant that makes the bound hold: a pass is charged only where price - 1 <= room, and it produces at
+    # least one token; the excess then never leaves max_slowdown * (produced + START_TOKENS).
+    ledger = Ledger(BOUND)
+    for price, produced in passes:
+        price = 1.0 + min(price, ledger.room())
+        ledger.charge(price)
+        ledger.settle(produced)
+        assert _bounded(ledger)
+    assert Ledger(None).room() == float("inf")
+
+
+def test_drafts_that_keep_failing_cost_a_request_at_most_the_bound():
+    # A request whose every copy is wrong at its first token: a plain step's token each pass, whatever it drafts.
+    prompt = np.tile(np.arange(10, 30, dtype=np.int32), 5)  # copies everywhere
+    ends = {}
+    for bound in (BOUND, None):
+        drafter = _drafter(bound)
+        session = drafter.start(prompt)
+        _run(drafter, [session], lambda row, position, draft: [int(draft[0]) + 1 if draft.size else 7])
+        ends[bound] = session.ledger
+    assert _bounded(ends[BOUND]) and ends[BOUND].produced == TOKENS
+    # Without the bound the same request loses more: this is what the test would see if the bound were ignored.
+    assert ends[None].excess > BOUND * (ends[None].produced + START_TOKENS)
+
+
+def test_a_request_with_nothing_to_copy_pays_at_most_the_bound_for_the_others_drafts():
+    # Row 0 copies (every draft accepted), row 1 has nothing to copy (plain decoding, "lookup": false); one pass
+    # serves both, as wide as row 0's draft, priced per row by the batch's cost.
+    prompt = np.tile(np.arange(10, 30, dtype=np.int32), 5)
+    ends, gained = {}, {}
+    for bound in (BOUND, None):
+        drafter = _drafter(bound)
+        copying, plain = drafter.start(prompt), NoDrafts(bound)
+
+        def target(row, position, draft):
+            if row == 1:
+                return [5]
+            accepted = [int(t) for t in draft]
+            return accepted + [int(prompt[(position + len(accepted)) % 20 + 10])]
+
+        _run(drafter, [copying, plain], target, steps=100)
+        ends[bound], gained[bound] = plain.ledger, copying.ledger.produced
+    assert _bounded(ends[BOUND])
+    assert ends[None].excess > BOUND * (ends[None].produced + START_TOKENS)
+    # The copying row still drafts, within what the other row's room allows (on this CPU-like cost, a pass costs
+    # 0.35 plain steps more than a plain one however short its draft): far less than without the bound.
+    assert 110 < gained[BOUND] < gained[None]
+
+
+def test_copy_heavy_text_keeps_its_drafts():
+    # Drafts that pay refill the room: a request copying correctly drafts as long as it would without the bound.
+    prompt = np.tile(np.arange(10, 30, dtype=np.int32), 5)
+    produced = {}
+    for bound in (BOUND, None):
+        drafter = _drafter(bound)
+        session = drafter.start(prompt)
+
+        def target(row, position, draft):
+            return [int(t) for t in draft] + [int(prompt[(position + draft.size) % 20 + 10])]
+
+        _run(drafter, [session], target, steps=30)
+        produced[bound] = session.ledger.produced
+    assert produced[BOUND] >= 0.9 * produced[None] and produced[None] > 150
+
+
+def test_the_length_rules_respect_the_room():
+    sure = Offer(np.zeros(16, dtype=np.int32), 0.95, 0.95)
+    costs = np.array(cpu_like(16))  # 1, 1.35, 1.4, ...
+    assert best_draft_length(0.95, 0.95, costs) == 16
+    assert best_draft_length(0.95, 0.95, costs, room=0.5) == 4  # costs[4] = 1.5: the longest within the room
+    assert best_draft_length(0.95, 0.95, costs, room=0.3) == 0
+    tight = Offer(np.zeros(0, dtype=np.int32), 0.0, 0.0, room=0.5)
+    assert best_batch_length([sure, tight], costs) <= 4 and best_batch_length([sure, tight], costs) > 0
+    assert best_batch_length([sure], costs) == 16
+    assert sum(token_lengths([sure, tight], 1.0, 0.1)) <= 5  # 1 + 0.1 * 5 tokens = 1.5 of a 2-token... step
+    assert sum(token_lengths([sure], 1.0, 0.1)) > 5
+
+
+def test_bad_bounds_are_refused():
+    for bad in (-0.1, float("inf"), True, "0.05"):
+        with pytest.raises(ValueError, match="max_slowdown must be a number >= 0 or None"):
+            DrafterConfig(max_slowdown=bad)
