@@ -343,7 +343,9 @@ class BatchRun:
             else:
                 row.prefill_cache = rollback_cache(self.model) if self.one_at_a_time else batch_cache(self.model)
         start = row.prefilled
-        logits = self._forward(row.prompt[:, start: start + n], 1, row.prefill_cache)  # [1, 1, vocab]
+        # A caller may hand a prompt on another device than the model's input (a CPU tensor beside a GPU model).
+        chunk = row.prompt[:, start: start + n].to(self.device)
+        logits = self._forward(chunk, 1, row.prefill_cache)  # [1, 1, vocab]
         row.prefilled += n
         row.prefill_seconds += self.last_pass_seconds
         if row.prefilled < row.prompt_len:
