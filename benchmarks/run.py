@@ -405,7 +405,7 @@ def main(argv=None):
                     help="batch mode on the fast path: the forward compiled, both systems on a static cache")
     ap.add_argument("--drafter", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="DrafterConfig fields for lookupdec's systems, e.g. --drafter min_n=3 cursor=false "
-                         "(ablations on the clock)")
+                         "max_slowdown=none (ablations on the clock)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     args.drafter = dict(_config_field(item) for item in args.drafter)
@@ -511,10 +511,14 @@ def _config_field(item: str) -> tuple:
     lowered = value.lower()
     if lowered in ("true", "false"):
         return key, lowered == "true"
-    try:
-        return key, int(value)
-    except ValueError:
-        raise SystemExit(f"--drafter {item}: VALUE must be an integer, true or false") from None
+    if lowered == "none":
+        return key, None
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    raise SystemExit(f"--drafter {item}: VALUE must be a number, true, false or none")
 
 
 def batch_mode(model, tokenizer, args):

@@ -12,6 +12,7 @@ Tests of the tools, not of the product; CI runs them after the product suite. Fr
 import sys
 import types
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -167,3 +168,14 @@ def test_batch_mode_on_the_fast_path_runs_both_systems_on_a_static_cache():
     assert StaticCache in caches
     for entry in data["batches"]:
         assert entry["rows_identical"] == entry["rows"] == 4 and entry["same_as_plain_batched"]
+
+
+def test_drafter_fields_take_numbers_booleans_and_none():
+    from benchmarks.run import _config_field
+
+    assert _config_field("min_n=3") == ("min_n", 3)
+    assert _config_field("max_slowdown=0.1") == ("max_slowdown", 0.1)
+    assert _config_field("max_slowdown=none") == ("max_slowdown", None)
+    assert _config_field("cursor=false") == ("cursor", False)
+    with pytest.raises(SystemExit, match="must be a number, true, false or none"):
+        _config_field("cursor=maybe")
