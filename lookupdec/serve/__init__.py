@@ -6,6 +6,7 @@ other requests' outputs and its ``prediction`` (Predicted Outputs), on one batch
 - ``engine``: the thread that owns the model and the running batch, and each request's
   :class:`~lookupdec.serve.engine.Ticket`;
 - ``app``: the FastAPI routes, streaming, stop strings, authentication;
+- ``observe``: what an operator sees: ``x-request-id`` on every answer, the access log, ``/metrics``;
 - ``run``: loading the model and the rolling cache, calibrating, and running uvicorn until a signal
   (:func:`~lookupdec.serve.run.serve`).
 
