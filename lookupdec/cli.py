@@ -157,14 +157,54 @@ Exit codes:
 """
 
 
-@main.command(epilog=SERVE_EXIT_HELP)
+SERVED_NAME = "--served-model-name"
+
+
+class _ServeCommand(click.Command):
+    """``serve``, which takes ``--served-model-name A B C`` as vLLM does (the words after the option, up to the next
+    option or ``--``), as well as the option repeated."""
+
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, spread_names(args))
+
+
+def spread_names(args: list) -> list:
+    """``--served-model-name A B`` written as ``--served-model-name A --served-model-name B`` (what click reads);
+    nothing after ``--`` (vLLM's arguments) is touched."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        out.append(arg)
+        i += 1
+        if arg == "--":
+            return out + list(args[i:])
+        if arg == SERVED_NAME and i < len(args):
+            out.append(args[i])  # the first value, whatever it is, as click would take it
+            i += 1
+            while i < len(args) and not args[i].startswith("-"):
+                out += [SERVED_NAME, args[i]]
+                i += 1
+    return out
+
+
+def _names(ctx, param, value):
+    if any(not name.strip() for name in value):
+        raise click.BadParameter("a served model name is empty")
+    return tuple(dict.fromkeys(value))
+
+
+@main.command(cls=_ServeCommand, epilog=SERVE_EXIT_HELP)
 @click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers", show_default=True,
               help="transformers: lookupdec's own batch loop (no other dependency). vllm: vLLM's OpenAI server with "
                    "lookupdec's proposer and Predicted Outputs (needs vLLM installed; arguments after -- go to "
                    "vLLM; see docs/vllm.md).")
 @click.option("--model", "model_name", metavar="NAME_OR_PATH", default=None,
               help="Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct (offline). "
-                   "Requests name it by this value (default: smollm2).")
+                   "Requests name it by this value (default: smollm2) unless --served-model-name is given.")
+@click.option(SERVED_NAME, "served_names", metavar="NAME [NAME ...]", multiple=True, callback=_names,
+              help="The names requests may give the model (all listed by /v1/models); answers carry the first. "
+                   "For clients that send Predicted Outputs only to OpenAI's model names, e.g. "
+                   "--served-model-name smollm2 gpt-4.1-mini for Obsidian Smart Composer.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
 @click.option("--max-batch", type=click.IntRange(min=1, max=256), default=8, show_default=True, metavar="N",
@@ -183,6 +223,9 @@ Exit codes:
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="SECONDS",
               help="On SIGTERM or Ctrl-C, how long requests in flight get to finish; those still running are then "
                    "answered with a 503 (a stream: an error event, then [DONE]).")
+@click.option("--access-log/--no-access-log", default=True, show_default=True,
+              help="One line per request on stderr (logger lookupdec.access): its x-request-id, status, tokens, "
+                   "passes, drafted and accepted tokens, time. With --engine vllm: uvicorn's access log.")
 @click.option("--no-calibrate", is_flag=True, help="Skip measuring the pass cost at startup (once per machine, "
               "cached); the drafter then fits a straight line as it goes.")
 @click.option("--cache-scope", type=click.Choice(list(CACHE_SCOPES)), default="user", show_default=True,
@@ -190,17 +233,22 @@ Exit codes:
                    "without one share), everyone's (fastest; but a client who times its answers could tell what "
                    "others generated), or none. Answers are the same either way.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
-def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_key, device, dtype, drain_timeout,
-          no_calibrate, cache_scope, vllm_args):
+def serve(engine, model_name, served_names, host, port, max_batch, max_queue, cache_path, api_key, device, dtype,
+          drain_timeout, access_log, no_calibrate, cache_scope, vllm_args):
     """Serve the model over OpenAI's API (chat and completions, streaming), honouring Predicted Outputs.
+
+    Every answer carries an x-request-id header (the client's own, else the completion's id); GET /metrics gives
+    Prometheus metrics and GET /health the server's state, both without the API key.
 
     \b
     Examples:
       lookupdec serve
       lookupdec serve --port 8080 --max-batch 16 --cache ~/.cache/lookupdec/serve-cache.json
+      lookupdec serve --served-model-name smollm2 gpt-4.1-mini
     """
     if engine == "vllm":
-        _serve_vllm(model_name, host, port, max_batch, api_key, dtype, cache_scope, vllm_args,
+        _serve_vllm(model_name, served_names, host, port, max_batch, api_key, dtype, cache_scope, access_log,
+                    vllm_args,
                     not_applicable={"--max-queue": max_queue != 64, "--cache": cache_path is not None,
                                     "--device": device != "auto", "--drain-timeout": drain_timeout != 30.0,
                                     "--no-calibrate": no_calibrate})
@@ -214,7 +262,8 @@ def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_
 
     options = ServeOptions(model=model_name, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
                            cache=cache_path, api_key=api_key, device=device, dtype=dtype,
-                           drain_timeout=drain_timeout, calibrate=not no_calibrate, cache_scope=cache_scope)
+                           drain_timeout=drain_timeout, calibrate=not no_calibrate, cache_scope=cache_scope,
+                           served_model_names=served_names, access_log=access_log)
     try:
         run_server(options, say=lambda line: click.echo(line, err=True))
     except ServeError as err:
@@ -222,7 +271,8 @@ def serve(engine, model_name, host, port, max_batch, max_queue, cache_path, api_
         raise click.exceptions.Exit(2) from None
 
 
-def _serve_vllm(model_name, host, port, max_batch, api_key, dtype, cache_scope, vllm_args, not_applicable) -> None:
+def _serve_vllm(model_name, served_names, host, port, max_batch, api_key, dtype, cache_scope, access_log, vllm_args,
+                not_applicable) -> None:
     given = [name for name, is_set in not_applicable.items() if is_set]
     if given:
         click.echo(f"error: {', '.join(given)} apply to --engine transformers only; vLLM's own settings go after "
@@ -233,7 +283,8 @@ def _serve_vllm(model_name, host, port, max_batch, api_key, dtype, cache_scope, 
 
     api_key = api_key or os.environ.get("LOOKUPDEC_API_KEY") or None
     options = VllmOptions(model=model_name, host=host, port=port, max_batch=max_batch, api_key=api_key,
-                          dtype=dtype, proposer=ProposerOptions(cache_scope=cache_scope), extra=list(vllm_args))
+                          dtype=dtype, proposer=ProposerOptions(cache_scope=cache_scope),
+                          served_model_names=served_names, access_log=access_log, extra=list(vllm_args))
     try:
         code = run(options, say=lambda line: click.echo(line, err=True))
     except LaunchError as err:

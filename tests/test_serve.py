@@ -24,19 +24,17 @@ from contextlib import contextmanager
 import pytest
 import torch
 from helpers_costs import fixed_costs
+from helpers_serve import running_app
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
-
 import lookupdec  # noqa: E402
 from lookupdec.drafter import Drafter, DrafterConfig  # noqa: E402
 from lookupdec.serve.app import create_app  # noqa: E402
 from lookupdec.serve.engine import Engine  # noqa: E402
-from lookupdec.serve.run import draining_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -59,22 +57,8 @@ def running_server(model, tokenizer, *, max_batch=8, max_queue=64, api_key=None,
     # Pass costs set by hand: the tests that count drafts get them whatever this machine's speed (helpers_costs).
     engine = Engine(model, tokenizer, fixed_costs(Drafter(DrafterConfig(calibrate=False))), max_batch=max_batch,
                     max_queue=max_queue)
-    app = create_app(engine, MODEL, api_key=api_key, drain_timeout=drain_timeout)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = draining_server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with running_app(create_app(engine, MODEL, api_key=api_key, drain_timeout=drain_timeout)) as url:
+        yield url, engine
 
 
 @pytest.fixture(scope="module")

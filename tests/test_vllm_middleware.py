@@ -50,16 +50,17 @@ class _Routes:
         usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         if body.get("stream"):
-            events = [{"choices": [{"index": 0, "delta": {"content": ANSWER[:7]}}]},
-                      {"choices": [{"index": 0, "delta": {"content": ANSWER[7:]}}]},
-                      {"choices": [], "usage": usage}]
+            events = [{"model": body["model"], "choices": [{"index": 0, "delta": {"content": ANSWER[:7]}}]},
+                      {"model": body["model"], "choices": [{"index": 0, "delta": {"content": ANSWER[7:]}}]},
+                      {"model": body["model"], "choices": [], "usage": usage}]
             for event in events:  # split mid-event, as a network would
                 data = f"data: {json.dumps(event)}\n\n".encode()
                 await send({"type": "http.response.body", "body": data[:5], "more_body": True})
                 await send({"type": "http.response.body", "body": data[5:], "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         else:
-            answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": ANSWER}}], "usage": usage}
+            answer = {"model": body["model"], "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                                 "content": ANSWER}}], "usage": usage}
             await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
 
 
@@ -205,3 +206,27 @@ def test_a_prediction_without_type_is_content(tokenizer_path):
     assert status == 200 and routes.bodies[0]["vllm_xargs"][PREDICTION_ARG]
     status, raw = _call(routes, _body(prediction={"type": None, "content": PREDICTION}), tokenizer_path)
     assert status == 400 and json.loads(raw)["error"]["param"] == "prediction"
+
+
+def test_the_counts_join_vllms_metrics(tokenizer_path):
+    # prometheus_client's default registry, which vLLM serves from its API-server process (tests/test_vllm_metrics.py
+    # reads it through vLLM's own route).
+    from prometheus_client import REGISTRY
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    expected = prediction_usage(tokenizer(PREDICTION, add_special_tokens=False)["input_ids"],
+                                tokenizer(ANSWER, add_special_tokens=False)["input_ids"])
+
+    def counted():
+        return tuple(REGISTRY.get_sample_value(f"lookupdec:prediction_{kind}_tokens_total", {"model_name": "m"}) or 0
+                     for kind in ("accepted", "rejected"))
+
+    before = counted()
+    for stream in (False, True):
+        extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        status, _ = _call(_Routes(), _body(prediction={"content": PREDICTION}, **extra), tokenizer_path)
+        assert status == 200
+    _call(_Routes(), _body(), tokenizer_path)  # no prediction: nothing counted
+    after = counted()
+    assert (after[0] - before[0], after[1] - before[1]) == (2 * expected[0], 2 * expected[1])

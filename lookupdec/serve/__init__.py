@@ -9,6 +9,7 @@ other requests' outputs and its ``prediction`` (Predicted Outputs), on one batch
   :class:`~lookupdec.serve.engine.Ticket`;
 - ``text``: prompts as token ids, answers decoded incrementally and cut at stop strings;
 - ``app``: the FastAPI routes, streaming, stop strings, authentication;
+- ``observe``: what an operator sees: ``x-request-id`` on every answer, the access log, ``/metrics``;
 - ``run``: loading the model and the rolling cache, calibrating, and running uvicorn until a signal
   (:func:`~lookupdec.serve.run.serve`).
 

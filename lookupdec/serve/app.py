@@ -8,10 +8,16 @@ delays a short one), and the answer is decoded incrementally as the engine commi
 the request's row.
 
 Life cycle: ``/health`` answers from the first moment, ``"starting"`` (503) while the pass cost is measured, then
-``"ok"``. A shutdown (:meth:`drain`, called by the server on SIGTERM or Ctrl-C) stops taking requests, lets the
-running ones finish for ``drain_timeout`` seconds, and answers what is still running then with an OpenAI-shaped
-503 (a stream: an error event, then ``[DONE]``), never with a cut connection or a truncated answer posing as
-complete.
+``"ok"``; ``"failed"`` (503) if the engine's thread has died, and then every request gets a 503 ``engine_failed``
+(:class:`~lookupdec.serve.engine.EngineFailed`) until the server is restarted. A shutdown (:meth:`drain`, called
+by the server on SIGTERM or Ctrl-C) stops taking requests, lets the running ones finish for ``drain_timeout``
+seconds, and answers what is still running then with an OpenAI-shaped 503 (a stream: an error event, then
+``[DONE]``), never with a cut connection or a truncated answer posing as complete.
+
+``/health`` and ``/metrics`` answer without the API key: probes and scrapers (Kubernetes, a load balancer,
+Prometheus) ask without one, as on vLLM's server, and neither says anything of a request's content (the model's
+name, the load, counts and timings). Every answer carries ``x-request-id``, and each request leaves one line in the
+access log (:mod:`~lookupdec.serve.observe`).
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import protocol
-from .engine import Engine, QueueFull, Ticket
+from .engine import Engine, EngineFailed, QueueFull, Ticket, engine_failed_error
+from .observe import SCOPE_KEY, Exchange, Metrics, Observe, failure_reason
 from .protocol import APIError
 from .text import Detokenizer, chat_prompt_ids
 
@@ -45,13 +52,18 @@ _LARGE_BODY_BYTES = 256 << 10  # bodies from this size are parsed and tokenized 
 _DISCONNECT_POLL_S = 0.5  # how often a request that does not stream checks whether its client is still there
 
 
-def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, on_shutdown=None,
+def create_app(engine: Engine, model_names, *, api_key: str | None = None, on_shutdown=None,
                max_body_bytes: int = MAX_BODY_BYTES, drain_timeout: float = 30.0, startup=None) -> FastAPI:
-    """The application serving ``engine`` under ``model_name``. ``api_key``: required as ``Authorization: Bearer``
-    on every ``/v1`` route. ``startup()``, when given, runs in a worker thread before the engine starts (the CLI
-    measures the pass cost there) while ``/health`` answers ``"starting"``. ``drain_timeout``: seconds the
-    requests in flight get to finish at shutdown. ``on_shutdown()`` runs after the engine has stopped (the CLI saves
-    the rolling cache there)."""
+    """The application serving ``engine`` under ``model_names`` (one name, or several: requests may name any of
+    them, ``/v1/models`` lists them all, answers carry the first, as on vLLM). ``api_key``: required as
+    ``Authorization: Bearer`` on every ``/v1`` route. ``startup()``, when given, runs in a worker thread before
+    the engine starts (the CLI measures the pass cost there) while ``/health`` answers ``"starting"``.
+    ``drain_timeout``: seconds the requests in flight get to finish at shutdown. ``on_shutdown()`` runs after the
+    engine has stopped (the CLI saves the rolling cache there)."""
+    names = [model_names] if isinstance(model_names, str) else list(dict.fromkeys(model_names))
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"model_names must be one or more non-empty names, got {model_names!r}")
+    model_name = names[0]
     status = {"value": "starting"}
     # Small bodies and large ones are prepared in separate pools: six 7.9 MB prompts (several seconds of
     # tokenizing each) queue behind each other, never in front of a short request.
@@ -91,6 +103,11 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, o
     app = FastAPI(title="lookupdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.drain = drain
+    metrics = Metrics(model_name, lambda: engine.load)
+    app.state.metrics = metrics
+    # Outside the exception handlers, so that it sees (and marks with the request id) every answer, and answers
+    # a fault that escapes the routes itself.
+    app.add_middleware(Observe, metrics=metrics)
     created = int(time.time())
     expected_key = api_key.encode() if api_key else None
 
@@ -103,12 +120,6 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, o
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
         return JSONResponse(APIError(err.status_code, str(err.detail), code=code).body(), status_code=err.status_code)
 
-    @app.exception_handler(Exception)
-    async def _fault(request, err: Exception):
-        _log.error("unexpected error serving %s", request.url.path, exc_info=err)
-        return JSONResponse(APIError(500, "internal server error", type="server_error", code="internal_error").body(),
-                            status_code=500)
-
     def authorize(request: HTTPRequest) -> None:
         if expected_key is None:
             return
@@ -120,27 +131,41 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, o
                            "You didn't provide an API key (Authorization: Bearer KEY).",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
+    def state() -> str:
+        return "failed" if engine.failure is not None else status["value"]
+
     @app.get("/health")
     async def health():
         running, waiting = engine.load
-        body = {"status": status["value"], "model": model_name, "running": running, "waiting": waiting}
-        return JSONResponse(body, status_code=200 if status["value"] == "ok" else 503)
+        body = {"status": state(), "model": model_name, "running": running, "waiting": waiting}
+        return JSONResponse(body, status_code=200 if state() == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics_route(request: HTTPRequest):
+        payload, content_type = metrics.exposition(request.headers.get("accept"))
+        return Response(payload, media_type=content_type)
+
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "lookupdec"}
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
         authorize(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "lookupdec"}]}
+        return {"object": "list", "data": [card(name) for name in names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: HTTPRequest):
         authorize(request)
-        if name != model_name:
+        if name not in names:
             raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "lookupdec"}
+        return card(name)
 
     async def serve(request: HTTPRequest, kind: str):
+        ex: Exchange = request.scope.get(SCOPE_KEY) or Exchange()
+        ex.completion_id = protocol.new_id(kind)
         authorize(request)
+        if engine.failure is not None:
+            raise engine_failed_error(engine.failure)
         if status["value"] != "ok":
             raise APIError(503, "the server is starting (measuring the model's pass cost); retry shortly"
                            if status["value"] == "starting" else "the server is shutting down",
@@ -150,19 +175,23 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, o
         loop = asyncio.get_running_loop()
         pool = large if len(raw) >= _LARGE_BODY_BYTES else small
         req, prompt_ids, prediction_ids, max_tokens = await loop.run_in_executor(
-            pool, _prepare, raw, kind, model_name, engine)
+            pool, _prepare, raw, kind, names, engine)
         ticket = Ticket(req, prompt_ids, prediction_ids, max_tokens, loop)
         try:
             engine.submit(ticket)
         except QueueFull:
             raise APIError(429, "the server is busy: too many requests are waiting; retry shortly",
                            type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+        except EngineFailed:
+            raise engine_failed_error(engine.failure) from None
         except RuntimeError as err:
             raise APIError(503, str(err), type="server_error", code="server_shutting_down") from None
+        ex.submitted = True
         if req.stream:
-            return StreamingResponse(_stream(ticket, engine.tokenizer, small), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await _collect(ticket, request, engine.tokenizer, small))
+            return StreamingResponse(_stream(ticket, engine.tokenizer, small, rid=ex.completion_id, exchange=ex),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await _collect(ticket, request, engine.tokenizer, small, rid=ex.completion_id,
+                                           exchange=ex))
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
@@ -192,7 +221,7 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
-def _prepare(raw: bytes, kind: str, model_name: str, engine: Engine) -> tuple:
+def _prepare(raw: bytes, kind: str, model_names: list, engine: Engine) -> tuple:
     """In a worker thread: the body checked (:func:`protocol.parse`) and tokenized (the model's chat template for
     chat), checked against the model's context. Returns ``(request, prompt ids, prediction ids or None,
     max_tokens)``; :class:`APIError` for what the server refuses."""
@@ -202,7 +231,7 @@ def _prepare(raw: bytes, kind: str, model_name: str, engine: Engine) -> tuple:
         raise APIError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
-    req = protocol.parse(body, kind, [model_name])
+    req = protocol.parse(body, kind, model_names)
     tokenizer, context = engine.tokenizer, engine.context
     if req.prediction is not None and len(req.prediction) > PREDICTION_CHARS_PER_TOKEN * context:
         raise _prediction_too_large(f"{len(req.prediction)} characters", context)
@@ -239,26 +268,29 @@ def _prediction_too_large(size: str, context: int) -> APIError:
 def _usage(ticket: Ticket, summary: dict, completion_ids: list) -> dict:
     """OpenAI's usage object: ``completion_tokens`` are the answer's tokens (up to a stop string); the prediction
     counts in OpenAI's meaning (the prediction's tokens that do / do not appear in the answer); ``lookup``: this
-    server's own figures (passes, drafted and accepted tokens, the drafted tokens copied from the prediction that
-    the model kept or refused, and the drafted tokens copied from earlier answers)."""
+    server's own figures (passes, the passes that verified a draft, drafted and accepted tokens, the drafted tokens
+    copied from the prediction that the model kept or refused, and the drafted tokens copied from earlier
+    answers)."""
     accepted, rejected = protocol.prediction_usage(ticket.prediction_ids, completion_ids) \
         if ticket.prediction_ids else (0, 0)
     out = protocol.usage(len(ticket.prompt_ids), len(completion_ids), accepted, rejected)
-    out["lookup"] = {key: summary.get(key, 0) for key in ("passes", "drafted_tokens", "accepted_tokens")}
+    out["lookup"] = {key: summary.get(key, 0) for key in ("passes", "drafts", "drafted_tokens", "accepted_tokens")}
     out["lookup"]["prediction_drafts_accepted"] = summary.get("accepted_prediction_tokens", 0)
     out["lookup"]["prediction_drafts_rejected"] = summary.get("rejected_prediction_tokens", 0)
     out["lookup"]["cache_drafted_tokens"] = summary.get("cache_drafted_tokens", 0)
     return out
 
 
-async def _events(ticket: Ticket, text: Detokenizer, pool):
+async def _events(ticket: Ticket, text: Detokenizer, pool, exchange: Exchange):
     """``("text", str)`` as text becomes safe to send, then ``("done", finish_reason, usage)``; raises the
     engine's APIError. A stop string cancels the row and ends the answer there; a row ended by anything but its
-    own finish (a stop string, EOS, the budget) is an error, never an answer that looks complete."""
+    own finish (a stop string, EOS, the budget) is an error, never an answer that looks complete. ``exchange``
+    learns when the first tokens came and how the request ended."""
     ids = []
     while True:
         event = await ticket.events.get()
         if event[0] == "tokens":
+            exchange.first_tokens()
             if not text.stopped:
                 ids += event[1]
             piece = text.add(event[1])
@@ -267,6 +299,7 @@ async def _events(ticket: Ticket, text: Detokenizer, pool):
             if text.stopped:
                 ticket.cancel(used=text.answer_tokens)
         elif event[0] == "error":
+            exchange.ended(failure_reason(event[1]))
             raise event[1]
         else:
             summary = event[1]
@@ -277,20 +310,24 @@ async def _events(ticket: Ticket, text: Detokenizer, pool):
                 ticket.cancel(used=text.answer_tokens)
             reason = "stop" if text.stopped else summary.get("finish_reason")
             if reason not in ("stop", "length"):
+                exchange.ended("abort")
                 raise APIError(503, "the request was cancelled before it finished", type="server_error",
                                code="request_cancelled")
             usage = await asyncio.get_running_loop().run_in_executor(
                 pool, _usage, ticket, summary, ids[: text.answer_tokens])
+            exchange.answered(reason, usage)
             yield ("done", reason, usage)
             return
 
 
-async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer, pool) -> dict:
-    """The answer of a request that does not stream: the streamed events joined. The client is sent the whole
-    answer or nothing; the rolling cache learns the answer before it is sent (:meth:`Ticket.release`), or nothing
-    when the client left."""
+async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer, pool, *, rid: str | None = None,
+                   exchange: Exchange | None = None) -> dict:
+    """The answer of a request that does not stream, whose id is ``rid`` (a new one when None): the streamed
+    events joined. The client is sent the whole answer or nothing; the rolling cache learns the answer before it
+    is sent (:meth:`Ticket.release`), or nothing when the client left."""
+    exchange = exchange if exchange is not None else Exchange()
     text = Detokenizer(tokenizer, ticket.req.stop)
-    events = _events(ticket, text, pool)
+    events = _events(ticket, text, pool, exchange)
     parts = []
     released = False
     try:
@@ -302,6 +339,7 @@ async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer, pool) -> dic
                     break
                 if await request.is_disconnected():
                     task.cancel()
+                    exchange.ended("abort")
                     raise APIError(499, "the client closed the request", code="client_closed_request")
             try:
                 event = task.result()
@@ -313,7 +351,8 @@ async def _collect(ticket: Ticket, request: HTTPRequest, tokenizer, pool) -> dic
                 _, reason, usage = event
                 await asyncio.get_running_loop().run_in_executor(pool, ticket.release, text.answer_tokens)
                 released = True
-                return protocol.completion(ticket.req, protocol.new_id(ticket.req.kind), "".join(parts), reason, usage)
+                return protocol.completion(ticket.req, rid or protocol.new_id(ticket.req.kind), "".join(parts), reason,
+                                           usage)
     finally:
         if not released:  # the client gets no answer: frees the row, and the rolling cache learns nothing
             _release(ticket, 0, pool)
@@ -330,11 +369,13 @@ def _release(ticket: Ticket, used: int, pool) -> None:
         ticket.release(used)
 
 
-async def _stream(ticket: Ticket, tokenizer, pool):
-    """The answer as server-sent events. A piece of text counts as sent once the server asks for the next one
-    (the transport took it); when the client leaves, only the tokens whose text was sent join the rolling cache."""
+async def _stream(ticket: Ticket, tokenizer, pool, *, rid: str | None = None, exchange: Exchange | None = None):
+    """The answer as server-sent events, whose id is ``rid`` (a new one when None). A piece of text counts as
+    sent once the server asks for the next one (the transport took it); when the client leaves, only the tokens
+    whose text was sent join the rolling cache."""
     req = ticket.req
-    rid, created = protocol.new_id(req.kind), int(time.time())
+    exchange = exchange if exchange is not None else Exchange()
+    rid, created = rid or protocol.new_id(req.kind), int(time.time())
     text = Detokenizer(tokenizer, req.stop)
     sent = 0  # characters of the answer the client was sent
 
@@ -345,7 +386,7 @@ async def _stream(ticket: Ticket, tokenizer, pool):
         if req.kind == "chat":
             yield sse(protocol.chunk(req, rid, created, first=True))
         try:
-            async for event in _events(ticket, text, pool):
+            async for event in _events(ticket, text, pool, exchange):
                 if event[0] == "text":
                     yield sse(protocol.chunk(req, rid, created, event[1]))
                     sent = text.sent
@@ -358,6 +399,7 @@ async def _stream(ticket: Ticket, tokenizer, pool):
             yield sse(err.body())
         except Exception:  # a fault of the server: said in the stream, the traceback in the log
             _log.exception("unexpected error while streaming")
+            exchange.ended("error")
             yield sse(APIError(500, "internal server error", type="server_error", code="internal_error").body())
         yield "data: [DONE]\n\n"
     finally:  # the client left (or the stream ended): free the row; the rolling cache learns what was sent

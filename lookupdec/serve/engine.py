@@ -21,6 +21,11 @@ At shutdown (:meth:`Engine.stop`) what is still running after the drain time is 
 ``server_shutting_down`` error, never with an answer that looks finished; what such a row generated joins the
 rolling cache (saved at exit).
 
+A fault the loop cannot contain (one raised while it recovers from a failed turn, or a ``BaseException``) ends
+the engine's thread: the engine then says so (:attr:`Engine.failure`), refuses new requests
+(:class:`EngineFailed`), and answers every request it held, waiting or running, with a 503 ``engine_failed``,
+so that no request waits for a thread that is gone and ``/health`` can tell a process manager to restart it.
+
 Models with sliding-window attention layers (Gemma 3) are served one request at a time: a batch's cache has masked
 holes, which a window that counts slots cannot skip.
 """
@@ -34,6 +39,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 
 import numpy as np
@@ -62,6 +68,10 @@ class QueueFull(Exception):
     pass
 
 
+class EngineFailed(RuntimeError):
+    """The engine's thread has died (:attr:`Engine.failure`): it takes no request any more."""
+
+
 def _trim_heap() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``). Prefill caches of ever-different
     sizes, freed in the engine thread's glibc arena, fragment it, so glibc keeps more and more free memory there,
@@ -83,6 +93,12 @@ def _failure(err: BaseException) -> APIError:
     return APIError(500, f"generation failed: {type(err).__name__}", type="server_error", code="internal_error")
 
 
+def engine_failed_error(err: BaseException) -> APIError:
+    """What a request gets once the engine's thread has died (held, or sent after)."""
+    return APIError(503, f"the server's decoding engine stopped after an internal error ({type(err).__name__}); "
+                    "the server must be restarted", type="server_error", code="engine_failed")
+
+
 class Ticket:
     """One request on its way through the engine. Events on :attr:`events`: ``("tokens", [ids])`` as they are
     committed, then ``("done", summary)`` (``summary["finish_reason"]``: ``"stop"``, ``"length"``, or
@@ -98,6 +114,7 @@ class Ticket:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.ended = False  # a last event ("done" or "error") was sent
         self.used: int | None = None  # cancel(used=n): the client was sent the first n generated tokens only
         self.row: Row | None = None
         self.submitted = time.perf_counter()
@@ -140,6 +157,8 @@ class Ticket:
         settle()
 
     def _emit(self, *event) -> None:
+        if event[0] != "tokens":
+            self.ended = True
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -174,6 +193,10 @@ class Engine:
         self._accepting = False
         self._stop = False
         self._thread: threading.Thread | None = None
+        # Every ticket submitted and not yet collected: the ones a dying thread must still answer, wherever they
+        # were (waiting, admitted, prefilling, running, ended but not yet reported).
+        self._tickets: weakref.WeakSet[Ticket] = weakref.WeakSet()
+        self.failure: BaseException | None = None  # what ended the engine's thread, if anything did
         self._admitting = 0  # tickets taken from the queue and not yet in the batch's prefill queue
         self.completed = 0
         self._trimmed = time.monotonic()  # when _trim_heap last ran
@@ -196,7 +219,7 @@ class Engine:
         with torch.inference_mode():
             self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.run.device))
         self._accepting, self._stop = True, False
-        self._thread = threading.Thread(target=self._loop, name="lookupdec-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="lookupdec-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -219,6 +242,8 @@ class Engine:
                 _log.warning("the engine thread did not stop within %.0f s (a long pass?); its requests are "
                              "answered when it does", _JOIN_TIMEOUT_S)
                 return
+        if self.failure is not None:  # the dying thread answered every request it held
+            return
         self._cut()  # no engine thread (never started, or gone): nothing else touches the batch now
 
     @property
@@ -227,22 +252,51 @@ class Engine:
 
     @property
     def load(self) -> tuple:
-        """(running rows, counting those being prefilled; waiting requests)."""
+        """(running rows, counting those being prefilled; waiting requests); none once the engine's thread has
+        died (every request it held was answered)."""
+        if self.failure is not None:
+            return 0, 0
         return len(self.run.rows) + len(self.scheduler.joining), len(self._waiting)
 
     # ------------------------------------------------------------------ requests
 
     def submit(self, ticket: Ticket) -> None:
-        """Queue ``ticket``; :class:`QueueFull` when ``max_queue`` requests already wait, ``RuntimeError`` when
-        the engine is stopping."""
+        """Queue ``ticket``; :class:`QueueFull` when ``max_queue`` requests already wait, :class:`EngineFailed`
+        when the engine's thread has died, ``RuntimeError`` when the engine is stopping."""
         with self._cond:
+            if self.failure is not None:
+                raise EngineFailed(engine_failed_error(self.failure).message)
             if not self._accepting:
                 raise RuntimeError("the server is shutting down")
             room = max(0, self.max_batch - len(self.run.rows) - len(self.scheduler.joining))
             if len(self._waiting) >= self.max_queue + room:
                 raise QueueFull
             self._waiting.append(ticket)
+            self._tickets.add(ticket)
             self._cond.notify()
+
+    def _run(self) -> None:
+        """The engine's thread: :meth:`_loop`, and if anything escapes it, :meth:`_die`."""
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001 - whatever ends the thread, its requests must hear of it
+            self._die(err)
+
+    def _die(self, err: BaseException) -> None:
+        """The loop has ended by a fault: take no more requests, and answer every one still held with a 503.
+        The batch's state is unknown, so nothing more runs on it; its rows are dropped."""
+        _log.critical("the engine's thread died: the server answers 503 from now on and must be restarted",
+                      exc_info=err)
+        with self._cond:
+            self.failure = err
+            self._accepting = False
+            self._waiting.clear()
+            tickets = list(self._tickets)
+        self._admitting = 0
+        error = engine_failed_error(err)
+        for ticket in tickets:
+            if not ticket.ended:
+                ticket._emit("error", error)
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -348,6 +402,9 @@ class Engine:
             "passes": row.stats.target_passes,
             "drafted_tokens": row.stats.drafted_tokens,
             "accepted_tokens": row.stats.accepted_tokens,
+            # Passes that verified a draft of at least one token (vLLM's "drafts"): drafts that had a token at
+            # position 0.
+            "drafts": row.stats.drafted_per_position[0] if row.stats.drafted_per_position else 0,
             "cache_drafted_tokens": getattr(session, "cache_drafted", 0),
         }
 

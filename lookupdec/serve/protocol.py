@@ -187,9 +187,11 @@ class Message(_Strict):
 
 
 class Prediction(_Strict):
-    """Predicted Outputs: the text the answer is expected to resemble (what the drafter copies from)."""
+    """Predicted Outputs: the text the answer is expected to resemble (what the drafter copies from). ``type`` may
+    be left out, as Relace's API allows and clients built for it send (Goose's editor); left out, it is
+    ``"content"``, the one type there is. Given, it must be ``"content"`` (``null`` too is refused)."""
 
-    type: Literal["content"] = Field(description='must be "content"')
+    type: Literal["content"] = Field("content", description='must be "content"')
     content: Content = Field(description="must be a string or a non-empty array of text parts")
 
 
@@ -242,7 +244,7 @@ class _Body(_Strict):
         f"must be an object of at most {METADATA[0]} string values (keys of at most {METADATA[1]} characters, "
         f"values of at most {METADATA[2]})"))
     prediction: Prediction | None = Field(
-        None, description='must be {"type": "content", "content": string or array of text parts}')
+        None, description='must be {"type": "content" (may be left out), "content": string or array of text parts}')
     lookup: bool = Field(True, description="must be a boolean (our extension: false turns drafting off)")
 
     @field_validator("model")
@@ -324,7 +326,8 @@ _TEXT_FIELD = {"chat": "messages", "completion": "prompt"}
 
 def parse(body, kind: str, models: list[str]) -> Request:
     """Check a decoded JSON body for ``kind`` ("chat" or "completion"); :class:`APIError` (4xx) on anything this
-    server cannot honour exactly. ``models``: the names this server answers to."""
+    server cannot honour exactly. ``models``: the names this server answers to; the request may name any of them,
+    and its answer carries the first (as vLLM's does with several ``--served-model-name``)."""
     try:
         checked = BODIES[kind].model_validate(body, context={"models": list(models)})
     except ValidationError as err:
@@ -334,7 +337,7 @@ def parse(body, kind: str, models: list[str]) -> Request:
     limits = [value for value in (checked.max_tokens, getattr(checked, "max_completion_tokens", None))
               if value is not None]
     req = Request(
-        kind=kind, model=checked.model,
+        kind=kind, model=models[0] if models else checked.model,
         max_tokens=min(limits) if limits else None,  # both given: the smaller one binds
         temperature=1.0 if checked.temperature is None else checked.temperature + 0.0,  # -0.0 becomes 0.0
         top_p=1.0 if checked.top_p is None else float(checked.top_p),

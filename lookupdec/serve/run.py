@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,11 @@ class ServeOptions:
     drain_timeout: float = 30.0  # seconds the requests in flight get to finish at shutdown
     calibrate: bool = True  # measure the pass cost (once per machine); False: a straight-line fit learned online
     cache_scope: str = "user"  # whose earlier answers a request drafts from (lookupdec.cache.CACHE_SCOPES)
+    # The names requests may give the model; answers carry the first. Empty: the --model value (or the embedded
+    # model's name). Several serve clients that send some fields only to the model names they know (Obsidian
+    # Smart Composer sends `prediction` only to gpt-4o* and gpt-4.1*).
+    served_model_names: tuple = ()
+    access_log: bool = True  # one line per request on the lookupdec.access logger (stderr)
 
 
 def serve(options: ServeOptions, say=print) -> None:
@@ -56,7 +62,9 @@ def serve(options: ServeOptions, say=print) -> None:
         model, tokenizer = load_model(options.model, device=options.device, dtype=options.dtype, progress=True)
     except (ModelLoadError, ValueError) as err:
         raise ServeError(str(err)) from None
-    name = options.model or DEFAULT_MODEL
+    names = list(options.served_model_names) or [options.model or DEFAULT_MODEL]
+    name = names[0]
+    access_log(options.access_log)
     cache = _load_cache(options.cache, say)
     drafter = Drafter(DrafterConfig(calibrate=options.calibrate, use_cache=options.cache_scope != "off"), cache=cache)
     engine = Engine(model, tokenizer, drafter, max_batch=options.max_batch, max_queue=options.max_queue,
@@ -82,9 +90,10 @@ def serve(options: ServeOptions, say=print) -> None:
             except OSError as err:
                 _log.error("could not save the rolling cache to %s: %s", options.cache, err)
 
-    app = create_app(engine, name, api_key=options.api_key or os.environ.get("LOOKUPDEC_API_KEY") or None,
+    app = create_app(engine, names, api_key=options.api_key or os.environ.get("LOOKUPDEC_API_KEY") or None,
                      on_shutdown=save_cache, drain_timeout=options.drain_timeout, startup=startup)
-    say(f"serving {name} on http://{options.host}:{options.port}/v1 (max batch {engine.max_batch})")
+    also = f" (also as {', '.join(names[1:])})" if len(names) > 1 else ""
+    say(f"serving {name}{also} on http://{options.host}:{options.port}/v1 (max batch {engine.max_batch})")
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")
     # uvicorn handles SIGTERM and SIGINT while it serves (a graceful shutdown), then raises them again under the
     # handlers found at its start: those end the process quietly here, since the shutdown has been done.
@@ -96,6 +105,20 @@ def serve(options: ServeOptions, say=print) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     say("stopped")
+
+
+def access_log(enabled: bool) -> None:
+    """The access log (``lookupdec.access``, one line per request) to stderr with a timestamp, or off."""
+    from .observe import ACCESS_LOG
+
+    logger = logging.getLogger(ACCESS_LOG)
+    logger.setLevel(logging.INFO if enabled else logging.WARNING)
+    logger.propagate = False
+    if enabled and not any(getattr(handler, "_lookupdec", False) for handler in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        handler._lookupdec = True
+        logger.addHandler(handler)
 
 
 def draining_server(config):

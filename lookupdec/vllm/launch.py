@@ -1,9 +1,15 @@
 """``lookupdec serve --engine vllm``: vLLM's OpenAI server, started and owned by this process, with lookupdec's
 proposer and the Predicted Outputs middleware.
 
-The options that mean the same thing on both engines are passed on (model, host, port, API key, dtype, batch
-size); vLLM's own settings go after ``--`` on the command line (``lookupdec serve --engine vllm -- --max-model-len
-4096``). The server is vLLM's: its routes, its errors, its metrics, its scaling options (``docs/vllm.md``).
+The options that mean the same thing on both engines are passed on (model, served names, host, port, API key,
+dtype, batch size, the access log); vLLM's own settings go after ``--`` on the command line (``lookupdec serve
+--engine vllm -- --max-model-len 4096``). The server is vLLM's: its routes, its errors, its metrics, its scaling
+options (``docs/vllm.md``).
+
+Request ids: vLLM is started with ``--enable-request-id-headers``, so that its answers carry ``x-request-id`` as
+lookupdec's own server's do. vLLM's header is the client's ``x-request-id`` (unchecked) or, without one, a random
+id of its own that nothing else carries; a client's id is also vLLM's request id (its completion's id is
+``chatcmpl-<id>``, and ``--enable-log-requests`` logs it). The access log is uvicorn's, which has no id.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class VllmOptions:
     dtype: str = "default"
     max_draft: int = MAX_DRAFT
     proposer: ProposerOptions = field(default_factory=ProposerOptions)  # sent in --additional-config
+    served_model_names: tuple = ()  # vLLM's --served-model-name; empty: the model's name
+    access_log: bool = True  # False: --disable-uvicorn-access-log
     extra: list = field(default_factory=list)  # vLLM's own arguments, passed as given
 
 
@@ -55,19 +63,23 @@ def vllm_dtype(dtype: str, cpu: bool) -> str:
 
 
 def command(options: VllmOptions, model_folder: str, served_name: str, cpu: bool) -> list:
-    """The command line that starts vLLM's OpenAI server with lookupdec in it."""
+    """The command line that starts vLLM's OpenAI server with lookupdec in it. ``served_name``: the model's name
+    for requests, used unless ``options.served_model_names`` gives names."""
+    names = list(options.served_model_names) or [served_name]
     spec = {"method": "custom_class", "model": "lookupdec.vllm.proposer.LookupProposer",
             "num_speculative_tokens": options.max_draft}
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model_folder, "--served-model-name", served_name,
+            "--model", model_folder, "--served-model-name", *names,
             "--host", options.host, "--port", str(options.port),
             "--max-num-seqs", str(options.max_batch), "--dtype", vllm_dtype(options.dtype, cpu),
             "--speculative-config", json.dumps(spec),
             "--middleware", "lookupdec.vllm.middleware.PredictedOutputs"]
     if options.api_key:
         args += ["--api-key", options.api_key]
-    return args + ["--additional-config", json.dumps(additional_config(options))] + \
-        [arg for i, arg in enumerate(options.extra) if not _is_additional_config(options.extra, i)]
+    args += ["--additional-config", json.dumps(additional_config(options)), "--enable-request-id-headers"]
+    if not options.access_log:
+        args += ["--disable-uvicorn-access-log"]
+    return args + [arg for i, arg in enumerate(options.extra) if not _is_additional_config(options.extra, i)]
 
 
 def _is_additional_config(extra: list, i: int) -> bool:

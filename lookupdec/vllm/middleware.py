@@ -18,7 +18,9 @@ vLLM's OpenAI server accepts ``prediction`` and drops it. This ASGI middleware, 
 - fills ``usage.completion_tokens_details.accepted_prediction_tokens`` / ``rejected_prediction_tokens`` in the
   response, in OpenAI's meaning (the prediction's tokens that appear in the answer, matched in order:
   :func:`lookupdec.serve.protocol.prediction_usage`, on the answer's text tokenized again), in a plain response
-  and in a stream's usage chunk (``stream_options: {"include_usage": true}``).
+  and in a stream's usage chunk (``stream_options: {"include_usage": true}``), and adds them to the counters
+  ``lookupdec:prediction_accepted_tokens_total`` / ``lookupdec:prediction_rejected_tokens_total`` (label
+  ``model_name``, the answer's model) on vLLM's own ``/metrics`` (:func:`_prediction_counters`).
 
 Requests without ``prediction`` are otherwise vLLM's own. The proposer must be lookupdec's
 (:class:`~lookupdec.vllm.proposer.LookupProposer`) for the prediction to be drafted from; the counts are filled
@@ -110,6 +112,26 @@ class _Tokenizers:
 
 
 _TOKENIZERS = _Tokenizers()
+_COUNTERS: tuple | None = None
+_COUNTERS_LOCK = threading.Lock()
+
+
+def _prediction_counters() -> tuple:
+    """``(accepted, rejected)``: lookupdec's counters on vLLM's ``/metrics``, made once per process in
+    prometheus_client's default registry, the one vLLM serves from its API-server process. With several API
+    servers (``--api-server-count``) vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` before it starts them; prometheus_client
+    then keeps these counters in that folder's files, which vLLM's ``/metrics`` sums over the processes."""
+    global _COUNTERS
+    with _COUNTERS_LOCK:
+        if _COUNTERS is None:
+            from prometheus_client import Counter
+
+            _COUNTERS = (
+                Counter("lookupdec:prediction_accepted_tokens", "Prediction tokens that appear in the answer "
+                        "(usage.completion_tokens_details.accepted_prediction_tokens).", ["model_name"]),
+                Counter("lookupdec:prediction_rejected_tokens", "Prediction tokens that do not appear in the answer "
+                        "(usage.completion_tokens_details.rejected_prediction_tokens).", ["model_name"]))
+        return _COUNTERS
 
 
 def _ids(tokenizer, text: str) -> list:
@@ -234,11 +256,15 @@ async def _error(send, status: int, message: str, param: str | None, code: str |
     await send({"type": "http.response.body", "body": payload})
 
 
-def _details(usage: dict, tokenizer, prediction: list, text: str) -> None:
+def _details(usage: dict, tokenizer, prediction: list, text: str, model) -> None:
     accepted, rejected = prediction_usage(prediction, _ids(tokenizer, text))
     details = usage.get("completion_tokens_details") or {}
     details.update(accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
     usage["completion_tokens_details"] = details
+    counted_accepted, counted_rejected = _prediction_counters()
+    name = model if isinstance(model, str) else ""
+    counted_accepted.labels(name).inc(accepted)
+    counted_rejected.labels(name).inc(rejected)
 
 
 def _text(choice: dict, chat: bool, delta: bool = False) -> str:
@@ -270,7 +296,7 @@ class _WholeCounts:
             payload = json.loads(raw)
             if self._start["status"] == 200 and isinstance(payload.get("usage"), dict):
                 text = _text(payload["choices"][0], self._chat) if payload.get("choices") else ""
-                _details(payload["usage"], self._tokenizer, self._prediction, text)
+                _details(payload["usage"], self._tokenizer, self._prediction, text, payload.get("model"))
                 raw = json.dumps(payload).encode()
         except (ValueError, KeyError, TypeError, IndexError):
             pass  # not a completion: forwarded as it came
@@ -315,6 +341,6 @@ class _StreamCounts:
             if isinstance(choice, dict):
                 self._text.append(_text(choice, self._chat, delta=True))
         if isinstance(payload.get("usage"), dict) and not payload.get("choices"):
-            _details(payload["usage"], self._tokenizer, self._prediction, "".join(self._text))
+            _details(payload["usage"], self._tokenizer, self._prediction, "".join(self._text), payload.get("model"))
             return b"data: " + json.dumps(payload).encode()
         return event
