@@ -5,6 +5,8 @@ with speculation, or against itself with drafting off.
 Servers (``--servers``, any of them, in the order given; started as ``benchmarks/servers.py`` says):
 
 - ``lookupdec``: ``lookupdec serve``, lookupdec's own batch loop.
+- ``lookupdec-throughput`` / ``vllm-lookupdec-throughput``: lookupdec with ``--max-slowdown none`` (throughput first:
+  no per-request bound on what other requests' drafts may cost).
 - ``lookupdec-plain``: the same server with every request sent ``"lookup": false``: lookupdec's own engine
   without drafting, the baseline that tells the drafting's gain apart from the engine's.
 - ``transformers``: ``transformers serve`` (its continuous batching by default, ``--tf-mode``).
@@ -71,10 +73,10 @@ from benchmarks.stats import nearest_rank, ratio, spread
 from benchmarks.workloads import SUITES
 
 DEFAULT_SERVERS = ("lookupdec", "transformers")
-# Sent the edited file as OpenAI's `prediction` (the others would ignore it); the same two keep a rolling cache of
+# Sent the edited file as OpenAI's `prediction` (the others would ignore it); the same ones keep a rolling cache of
 # earlier outputs in the server process, so they get a fresh server per level unless --keep-cache.
-PREDICTION_SERVERS = ("lookupdec", "vllm-lookupdec")
-ROLLING_CACHE_SERVERS = ("lookupdec", "vllm-lookupdec")
+PREDICTION_SERVERS = ("lookupdec", "lookupdec-throughput", "vllm-lookupdec", "vllm-lookupdec-throughput")
+ROLLING_CACHE_SERVERS = PREDICTION_SERVERS
 NO_LOOKUP_SERVERS = ("lookupdec-plain",)  # every request sent "lookup": false
 # transformers serve runs requests one at a time through model.generate ("sequential") or with its continuous
 # batching ("cb": paged attention, one generation config shared by all requests, the first one's), which serves

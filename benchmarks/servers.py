@@ -33,9 +33,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-VLLM_SERVERS = ("vllm", "vllm-ngram", "vllm-lookupdec", "vllm-zero")
-# lookupdec-plain: lookupdec serve with every request sent "lookup": false, lookupdec's own engine without drafting
-LOOKUPDEC_SERVERS = ("lookupdec", "lookupdec-plain")
+VLLM_SERVERS = ("vllm", "vllm-ngram", "vllm-lookupdec", "vllm-lookupdec-throughput", "vllm-zero")
+# lookupdec-plain: lookupdec serve with every request sent "lookup": false, lookupdec's own engine without drafting;
+# the -throughput servers: lookupdec with --max-slowdown none (throughput first, no per-request bound)
+LOOKUPDEC_SERVERS = ("lookupdec", "lookupdec-plain", "lookupdec-throughput")
+THROUGHPUT_FIRST = ["--max-slowdown", "none"]
 SERVERS = (*LOOKUPDEC_SERVERS, "transformers", *VLLM_SERVERS)
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # lookupdec's names -> transformers'
 STARTUP_TIMEOUT_S = 300  # a first load converts the GGUF file (~20 s) and may calibrate; slow shared machines
@@ -298,6 +300,8 @@ def lookupdec_server(args, env: dict, name: str = "lookupdec") -> Server:
         argv += ["--max-batch", str(args.max_batch)]
     if args.max_queue:
         argv += ["--max-queue", str(args.max_queue)]
+    if name == "lookupdec-throughput":
+        argv += THROUGHPUT_FIRST
     return Server(name, argv, env, args.out / f"serve-{name}.log", timeout=args.startup_timeout or STARTUP_TIMEOUT_S)
 
 
@@ -329,10 +333,12 @@ def vllm_server(args, name: str, env: dict, source: str) -> Server:
     batch = str(args.max_batch or DEFAULT_MAX_BATCH)
     timeout = args.startup_timeout or VLLM_STARTUP_TIMEOUT_S
     log = args.out / f"serve-{name}.log"
-    if name == "vllm-lookupdec":
+    if name in ("vllm-lookupdec", "vllm-lookupdec-throughput"):
         # Only the options both engines share: it refuses --device, --max-queue, --cache, ... (exit code 2).
         argv = [str(python), "-m", "lookupdec.cli", "serve", "--engine", "vllm", "--dtype", args.dtype,
                 "--max-batch", batch]
+        if name == "vllm-lookupdec-throughput":
+            argv += THROUGHPUT_FIRST
         if args.model:
             argv += ["--model", args.model]
         return Server(name, argv, env, log, tail=["--", "--max-model-len", str(VLLM_MAX_MODEL_LEN)],

@@ -86,3 +86,17 @@ def test_lookupdec_against_its_own_engine_without_drafting(served, tmp_path):
     assert set(ratios["speeds"]) == {"edit", "open"} and ratios["speeds"]["edit"]["n"] == 3
     table = (tmp_path / "serve.md").read_text()
     assert "| 2 | lookupdec | edit | 3 |" in table and "lookupdec-plain sent \"lookup\": false" in table
+
+
+def test_the_throughput_first_servers_run_without_the_per_request_bound(tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks import servers as srv
+
+    args = SimpleNamespace(device="cpu", dtype="default", model=None, max_batch=4, max_queue=None,
+                           out=tmp_path, startup_timeout=None, vllm_python=__file__)
+    argv = srv.lookupdec_server(args, {}, "lookupdec-throughput").base_argv
+    assert argv[-2:] == ["--max-slowdown", "none"]
+    assert "--max-slowdown" not in srv.lookupdec_server(args, {}, "lookupdec").base_argv
+    vllm = srv.vllm_server(args, "vllm-lookupdec-throughput", {}, source="")
+    assert vllm.base_argv[-2:] == ["--max-slowdown", "none"] and "--engine" in vllm.base_argv

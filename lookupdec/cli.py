@@ -148,6 +148,25 @@ def reformat(files, instruction, to, output, in_place, batch, model_name, device
         raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
+class SlowdownBound(click.ParamType):
+    """A fraction >= 0, or ``none`` (no bound)."""
+
+    name = "fraction|none"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, float):
+            return value
+        if str(value).lower() == "none":
+            return None
+        try:
+            bound = float(value)
+        except ValueError:
+            bound = -1.0
+        if not 0 <= bound < float("inf"):
+            self.fail(f"{value!r} is not a fraction >= 0 or none", param, ctx)
+        return bound
+
+
 SERVE_EXIT_HELP = """\b
 Exit codes:
   0    stopped by SIGTERM or Ctrl-C: requests in flight finished (or, past
@@ -232,9 +251,13 @@ def _names(ctx, param, value):
               help="Whose earlier answers a request drafts from: its client's (OpenAI's 'user' field; requests "
                    "without one share), everyone's (fastest; but a client who times its answers could tell what "
                    "others generated), or none. Answers are the same either way.")
+@click.option("--max-slowdown", type=SlowdownBound(), default="0.05", show_default=True, metavar="FRACTION|none",
+              help="Never slower, per request: drafts (a request's own, or others' in the same batch) may make no "
+                   "request more than this fraction slower than plain decoding (plus under one step). none: "
+                   "throughput first, no such bound.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve(engine, model_name, served_names, host, port, max_batch, max_queue, cache_path, api_key, device, dtype,
-          drain_timeout, access_log, no_calibrate, cache_scope, vllm_args):
+          drain_timeout, access_log, no_calibrate, cache_scope, max_slowdown, vllm_args):
     """Serve the model over OpenAI's API (chat and completions, streaming), honouring Predicted Outputs.
 
     Every answer carries an x-request-id header (the client's own, else the completion's id); GET /metrics gives
@@ -247,8 +270,8 @@ def serve(engine, model_name, served_names, host, port, max_batch, max_queue, ca
       lookupdec serve --served-model-name smollm2 gpt-4.1-mini
     """
     if engine == "vllm":
-        _serve_vllm(model_name, served_names, host, port, max_batch, api_key, dtype, cache_scope, access_log,
-                    vllm_args,
+        _serve_vllm(model_name, served_names, host, port, max_batch, api_key, dtype, access_log, vllm_args,
+                    {"cache_scope": cache_scope, "max_slowdown": max_slowdown},
                     not_applicable={"--max-queue": max_queue != 64, "--cache": cache_path is not None,
                                     "--device": device != "auto", "--drain-timeout": drain_timeout != 30.0,
                                     "--no-calibrate": no_calibrate})
@@ -263,6 +286,7 @@ def serve(engine, model_name, served_names, host, port, max_batch, max_queue, ca
     options = ServeOptions(model=model_name, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
                            cache=cache_path, api_key=api_key, device=device, dtype=dtype,
                            drain_timeout=drain_timeout, calibrate=not no_calibrate, cache_scope=cache_scope,
+                           max_slowdown=max_slowdown,
                            served_model_names=served_names, access_log=access_log)
     try:
         run_server(options, say=lambda line: click.echo(line, err=True))
@@ -271,7 +295,7 @@ def serve(engine, model_name, served_names, host, port, max_batch, max_queue, ca
         raise click.exceptions.Exit(2) from None
 
 
-def _serve_vllm(model_name, served_names, host, port, max_batch, api_key, dtype, cache_scope, access_log, vllm_args,
+def _serve_vllm(model_name, served_names, host, port, max_batch, api_key, dtype, access_log, vllm_args, proposer,
                 not_applicable) -> None:
     given = [name for name, is_set in not_applicable.items() if is_set]
     if given:
@@ -283,7 +307,7 @@ def _serve_vllm(model_name, served_names, host, port, max_batch, api_key, dtype,
 
     api_key = api_key or os.environ.get("LOOKUPDEC_API_KEY") or None
     options = VllmOptions(model=model_name, host=host, port=port, max_batch=max_batch, api_key=api_key,
-                          dtype=dtype, proposer=ProposerOptions(cache_scope=cache_scope),
+                          dtype=dtype, proposer=ProposerOptions(**proposer),
                           served_model_names=served_names, access_log=access_log, extra=list(vllm_args))
     try:
         code = run(options, say=lambda line: click.echo(line, err=True))

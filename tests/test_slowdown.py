@@ -128,3 +128,30 @@ def test_bad_bounds_are_refused():
     for bad in (-0.1, float("inf"), True, "0.05"):
         with pytest.raises(ValueError, match="max_slowdown must be a number >= 0 or None"):
             DrafterConfig(max_slowdown=bad)
+
+
+@pytest.mark.parametrize("given, expected", [([], 0.05), (["--max-slowdown", "none"], None),
+                                             (["--max-slowdown", "0.2"], 0.2)])
+def test_lookupdec_serve_takes_the_bound_on_both_engines(monkeypatch, given, expected):
+    from click.testing import CliRunner
+
+    from lookupdec import cli
+    from lookupdec.serve import run as serve_run
+    from lookupdec.vllm import launch
+
+    seen = []
+    monkeypatch.setattr(serve_run, "serve", lambda options, say: seen.append(options.max_slowdown))
+    monkeypatch.setattr(launch, "run", lambda options, say: seen.append(options.proposer.max_slowdown) or 0)
+    for engine in ("transformers", "vllm"):
+        result = CliRunner().invoke(cli.main, ["serve", "--engine", engine, *given], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    assert seen == [expected, expected]
+
+
+def test_a_bad_bound_is_a_usage_error():
+    from click.testing import CliRunner
+
+    from lookupdec import cli
+
+    result = CliRunner().invoke(cli.main, ["serve", "--max-slowdown", "-1"])
+    assert result.exit_code == 2 and "'-1' is not a fraction >= 0 or none" in result.output

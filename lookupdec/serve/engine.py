@@ -279,7 +279,7 @@ class Engine:
         """The engine's thread: :meth:`_loop`, and if anything escapes it, :meth:`_die`."""
         try:
             self._loop()
-        except BaseException as err:  # noqa: BLE001 - whatever ends the thread, its requests must hear of it
+        except BaseException as err:  # whatever ends the thread, its requests must hear of it
             self._die(err)
 
     def _die(self, err: BaseException) -> None:
@@ -441,7 +441,7 @@ class Engine:
                                          client=req.user if self.cache_scope == "user" else None,
                                          use_cache=self.cache_scope != "off")
         else:
-            session = NoDrafts()
+            session = NoDrafts(self.drafter.drafter_config.max_slowdown)
         if resolved.do_sample:
             seed = ticket.seed
 

@@ -38,6 +38,7 @@ class ServeOptions:
     drain_timeout: float = 30.0  # seconds the requests in flight get to finish at shutdown
     calibrate: bool = True  # measure the pass cost (once per machine); False: a straight-line fit learned online
     cache_scope: str = "user"  # whose earlier answers a request drafts from (lookupdec.cache.CACHE_SCOPES)
+    max_slowdown: float | None = 0.05  # DrafterConfig.max_slowdown: the per-request bound (None: throughput first)
     # The names requests may give the model; answers carry the first. Empty: the --model value (or the embedded
     # model's name). Several serve clients that send some fields only to the model names they know (Obsidian
     # Smart Composer sends `prediction` only to gpt-4o* and gpt-4.1*).
@@ -66,7 +67,8 @@ def serve(options: ServeOptions, say=print) -> None:
     name = names[0]
     access_log(options.access_log)
     cache = _load_cache(options.cache, say)
-    drafter = Drafter(DrafterConfig(calibrate=options.calibrate, use_cache=options.cache_scope != "off"), cache=cache)
+    drafter = Drafter(DrafterConfig(calibrate=options.calibrate, use_cache=options.cache_scope != "off",
+                                    max_slowdown=options.max_slowdown), cache=cache)
     engine = Engine(model, tokenizer, drafter, max_batch=options.max_batch, max_queue=options.max_queue,
                     cache_scope=options.cache_scope)
     said = []
