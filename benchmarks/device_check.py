@@ -982,7 +982,8 @@ def _compiled_markdown(cp) -> list:
         return []
     n = len(cp["single"])
     lines = ["## The fast path: a compiled forward", "",
-             f"Model: {cp['model']}; torch.compile backend {cp['backend']}; {n} prompts, {cp['new_tokens']} new tokens, "
+             f"Model: {cp['model']}; torch.compile backend {cp['backend']}; {n} prompts, "
+             f"{cp['new_tokens']} new tokens, "
              "batch 1. Medians of per-prompt time ratios." + (" Cut short by the time budget." if cp["cut_short"]
                                                                else ""), "",
              "| plain compiled x plain eager | lookupdec compiled x plain compiled | best lookupdec x fastest plain | "
@@ -1058,7 +1059,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/device_check"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny configs, a handful of tokens: under a minute")
     ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
-    ap.add_argument("--dtype", default="default", help="curves and speed: default (bfloat16 on cuda, else float32), auto (the checkpoint's), ...")
+    ap.add_argument("--dtype", default="default",
+                    help="curves and speed: default (bfloat16 on cuda, else float32), auto (the checkpoint's), ...")
     ap.add_argument("--model", default="auto",
                     help="speed and vllm stages: auto (the embedded model if installed, else random weights with "
                          "its shapes), random, or anything lookupdec.models.load_model takes (a .gguf path, a folder)")

@@ -326,7 +326,8 @@ def markdown(rows, suite_rows, systems, meta):
                   f"{'yes' if all(r.get('same_greedy_compiled', True) for r in suite_rows) else 'NO'}):", "",
                   "| suite | " + " | ".join(names[k] for k in fast) + " |", "|" + "---|" * (len(fast) + 1)]
         lines += [f"| {r['suite']} | " + " | ".join(fmt(r.get(k)) for k in fast) + " |" for r in suite_rows]
-    lines += ["", "Acceptance of lookupdec's drafts by draft position (accepted / drafted, all prompts of the suite):", "",
+    lines += ["", "Acceptance of lookupdec's drafts by draft position (accepted / drafted, all prompts of the "
+              "suite):", "",
               "| suite | " + " | ".join(f"pos {p}" for p in ACCEPT_POSITIONS) + " |",
               "|" + "---|" * (len(ACCEPT_POSITIONS) + 1)]
     for r in suite_rows:
@@ -395,7 +396,8 @@ def main(argv=None):
     ap.add_argument("--report", type=Path, default=None,
                     help="re-render results.md and the plots from an existing results.json, without running")
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    ap.add_argument("--dtype", default="default", help="default (bf16 on CUDA, fp32 on CPU), auto (the checkpoint's), fp32, bf16, fp16")
+    ap.add_argument("--dtype", default="default",
+                    help="default (bf16 on CUDA, fp32 on CPU), auto (the checkpoint's), fp32, bf16, fp16")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's choice)")
     ap.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",

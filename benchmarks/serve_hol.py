@@ -186,7 +186,8 @@ def head_of_line(args, server: Server, tokenizer) -> int:
         "runs": runs, "median_s": b_median, "long_median_s": statistics.median(long_ok) if long_ok else None,
         "ratio": ratio(b_median, report["a_alone"]["median_s"]),
         "overlapped": sum(r["overlapped"] for r in runs),
-        "same_text": sum(r["short"].get("text") == first.get("text") for r in runs), "health": health.summary(HEALTH_LIMIT_S)}
+        "same_text": sum(r["short"].get("text") == first.get("text") for r in runs),
+        "health": health.summary(HEALTH_LIMIT_S)}
 
     note(f"head-of-line (c): {BIG_BODIES} bodies of {BIG_BODY_BYTES / 1e6:.1f} MB at once, /health every "
          f"{HEALTH_EVERY_S} s...")

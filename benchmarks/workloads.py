@@ -60,7 +60,8 @@ def _fenced(text: str, lang: str) -> str:
 
 
 YAML_EDITS = {
-    "service.yaml": ["Change the server port to 9090.", "Set the logging level to debug and add the feature 'metrics'."],
+    "service.yaml": ["Change the server port to 9090.",
+                     "Set the logging level to debug and add the feature 'metrics'."],
     "dependabot.yml": ["Change the pip schedule interval to daily."],
     "codecov.yml": ["Change the patch target to 90%."],
     "readthedocs.yaml": ["Set fail_on_warning to false."],

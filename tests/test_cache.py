@@ -799,7 +799,7 @@ def test_concurrent_add_lookup_save_never_corrupts(tmp_path):
                 ops += 1
                 assert len(cache) <= max_tokens
             assert ops > 10
-        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread below
+        except BaseException as err:  # re-raised in the main thread below
             errors.append(err)
 
     old_interval = sys.getswitchinterval()

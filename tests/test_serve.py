@@ -327,7 +327,7 @@ class _HeapHole:
     def __init__(self, mib: int = 64, block: int = 32 << 10):  # 32 KiB: below glibc's mmap threshold
         try:
             libc = ctypes.CDLL("libc.so.6")
-            libc.malloc_trim  # noqa: B018 - glibc only
+            libc.malloc_trim  # glibc only: the attribute lookup fails elsewhere
         except (OSError, AttributeError):
             pytest.skip("needs glibc's malloc_trim")
         libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

