@@ -16,11 +16,11 @@ later query's position, so they are masked until the next pass overwrites them.
 
 Rows are ragged: ``input_ids`` [B, L], left-padded, with ``attention_mask``. The drafter's driver picks one draft
 length for the batch (``Drafter.propose``: the pass is as wide as its longest draft, so every row may fill that
-width) and shorter drafts are padded with masked filler.
-Rows accept different numbers of tokens, and ``DynamicCache`` appends the same number of slots to every row, so
-the cache keeps, per step, as many new slots as the row that accepted most needs; the other rows' extra slots
-stay behind as *holes*, masked out in the 2-D attention mask, and each row's ``position_ids`` count only its real
-tokens, so a row sees exactly the keys, at exactly the positions, it would see alone::
+width) and shorter drafts are padded with masked filler. Rows accept different numbers of tokens, and
+``DynamicCache`` appends the same number of slots to every row, so the cache keeps, per step, as many new slots
+as the row that accepted most needs; the other rows' extra slots stay behind as *holes*, masked out in the 2-D
+attention mask, and each row's ``position_ids`` count only its real tokens, so a row sees exactly the keys, at
+exactly the positions, it would see alone::
 
     slot:        0  1  2  3  4  5  6  7
     row 0:       .  p  p  p  l  a  a  l'    . = left padding or a hole (masked out)
@@ -209,8 +209,7 @@ class Row:
                             self.pass_seconds)
         if self.on_commit is not None:
             self.on_commit(committed, done)
-        # Only what was kept: the session never sees the tokens a pass produced after an EOS or past the budget.
-        # (The pass time belongs to the batch, observed there, not to this row's draft.)
+        # Only what was kept: not the tokens a pass produced after an EOS or past the budget (its time: the batch's).
         if committed:
             self.session.commit(np.asarray(committed, dtype=np.int32))
         if done:
@@ -343,8 +342,7 @@ class BatchRun:
             else:
                 row.prefill_cache = rollback_cache(self.model) if self.one_at_a_time else batch_cache(self.model)
         start = row.prefilled
-        # A caller may hand a prompt on another device than the model's input (a CPU tensor beside a GPU model).
-        chunk = row.prompt[:, start: start + n].to(self.device)
+        chunk = row.prompt[:, start: start + n].to(self.device)  # a caller's CPU prompt beside a GPU model
         logits = self._forward(chunk, 1, row.prefill_cache)  # [1, 1, vocab]
         row.prefilled += n
         row.prefill_seconds += self.last_pass_seconds
