@@ -1,5 +1,6 @@
 """Serving the tiny models over HTTP without a real tokenizer: :class:`CharTokenizer` (one character per token id)
-and :func:`running_app` (any app on uvicorn in a thread, at a free port of 127.0.0.1)."""
+and :func:`running_app` (any app on uvicorn in a thread, at a free port of 127.0.0.1); :func:`gated_passes` holds the
+engine's target passes while a test sets the scene."""
 
 from __future__ import annotations
 
@@ -49,3 +50,19 @@ def running_app(app):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def gated_passes(monkeypatch) -> threading.Event:
+    """Every target pass of lookupdec's batch loop waits while the returned event is clear (it starts set)."""
+    from lookupdec import batch as batch_module
+
+    gate = threading.Event()
+    gate.set()
+    real = batch_module.target_forward
+
+    def forward(*args, **kwargs):
+        gate.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "target_forward", forward)
+    return gate

@@ -17,14 +17,13 @@ from contextlib import contextmanager
 
 import pytest
 from helpers_costs import fixed_costs
-from helpers_serve import CharTokenizer, running_app, text_of
+from helpers_serve import CharTokenizer, gated_passes, running_app, text_of
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 parser = pytest.importorskip("prometheus_client.parser")
 
-from lookupdec import batch as batch_module  # noqa: E402
 from lookupdec.drafter import Drafter, DrafterConfig  # noqa: E402
 from lookupdec.serve.app import create_app  # noqa: E402
 from lookupdec.serve.engine import Engine  # noqa: E402
@@ -163,15 +162,7 @@ def test_a_streamed_request_and_refusals_are_counted(peaky):
 
 
 def test_the_gauges_show_the_running_and_the_waiting_requests(peaky, monkeypatch):
-    gate = threading.Event()  # the engine's passes wait here while it is clear
-    gate.set()
-    real = batch_module.target_forward
-
-    def forward(*args, **kwargs):
-        gate.wait()
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(batch_module, "target_forward", forward)
+    gate = gated_passes(monkeypatch)  # the engine's passes wait while it is clear
     with serving(peaky, max_batch=1) as (url, engine):
         body = {"model": "tiny", "prompt": _prompt(peaky), "max_tokens": 8, "temperature": 0}
         gate.clear()

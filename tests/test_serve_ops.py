@@ -16,14 +16,13 @@ import time
 
 import pytest
 from helpers_costs import fixed_costs
-from helpers_serve import CharTokenizer, running_app, text_of
+from helpers_serve import CharTokenizer, gated_passes, running_app, text_of
 from test_serve_engine import _ids, _outcome, _req
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from lookupdec import batch as batch_module  # noqa: E402
 from lookupdec.drafter import Drafter, DrafterConfig  # noqa: E402
 from lookupdec.serve import app as app_module  # noqa: E402
 from lookupdec.serve import observe  # noqa: E402
@@ -163,20 +162,6 @@ class _Fatal(BaseException):
     """Not an Exception: passes every `except Exception` guard of the engine's loop."""
 
 
-def _gated(monkeypatch) -> threading.Event:
-    """Every target pass waits while the returned event is clear."""
-    gate = threading.Event()
-    gate.set()
-    real = batch_module.target_forward
-
-    def forward(*args, **kwargs):
-        gate.wait()
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(batch_module, "target_forward", forward)
-    return gate
-
-
 def _kill(engine: Engine, how: str, monkeypatch) -> None:
     """Make the engine's thread die at its next step: a BaseException from the step, or an Exception from the
     reporting that the loop's own recovery calls too (outside any request's guard)."""
@@ -195,7 +180,7 @@ def _kill(engine: Engine, how: str, monkeypatch) -> None:
 @pytest.mark.parametrize("how", ["base exception", "failed recovery"])
 def test_a_dead_engine_answers_what_it_held_and_takes_nothing_more(peaky, monkeypatch, how):
     model, prompt = peaky
-    gate = _gated(monkeypatch)
+    gate = gated_passes(monkeypatch)
     engine = Engine(model, None, Drafter(DrafterConfig(calibrate=False)), max_batch=1)
     engine.start()
 
@@ -225,7 +210,7 @@ def test_a_dead_engine_answers_what_it_held_and_takes_nothing_more(peaky, monkey
 
 def test_health_says_503_and_every_request_gets_an_openai_503_once_the_engine_died(peaky, monkeypatch):
     model, _ = peaky
-    gate = _gated(monkeypatch)
+    gate = gated_passes(monkeypatch)
     engine = Engine(model, CharTokenizer(), Drafter(DrafterConfig(calibrate=False)), max_batch=1)
     with running_app(create_app(engine, "tiny", drain_timeout=5)) as url:
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
