@@ -66,3 +66,11 @@ def gated_passes(monkeypatch) -> threading.Event:
 
     monkeypatch.setattr(batch_module, "target_forward", forward)
     return gate
+
+
+def wait_for_load(engine, load: tuple, timeout: float = 30.0) -> None:
+    """Wait until ``engine.load`` (running, waiting) is ``load``; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while engine.load != load:
+        assert time.monotonic() < deadline, engine.load
+        time.sleep(0.005)

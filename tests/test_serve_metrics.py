@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 from helpers_costs import fixed_costs
-from helpers_serve import CharTokenizer, gated_passes, running_app, text_of
+from helpers_serve import CharTokenizer, gated_passes, running_app, text_of, wait_for_load
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -171,10 +171,7 @@ def test_the_gauges_show_the_running_and_the_waiting_requests(peaky, monkeypatch
             httpx.post(url + "/v1/completions", json=body, timeout=60))) for _ in range(2)]
         for worker in workers:
             worker.start()
-        deadline = time.monotonic() + 30
-        while engine.load != (1, 1):
-            assert time.monotonic() < deadline, engine.load
-            time.sleep(0.01)
+        wait_for_load(engine, (1, 1))
         during, _ = scrape(url)
         gate.set()
         for worker in workers:

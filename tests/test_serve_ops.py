@@ -12,11 +12,10 @@ import asyncio
 import json
 import logging
 import threading
-import time
 
 import pytest
 from helpers_costs import fixed_costs
-from helpers_serve import CharTokenizer, gated_passes, running_app, text_of
+from helpers_serve import CharTokenizer, gated_passes, running_app, text_of, wait_for_load
 from test_serve_engine import _ids, _outcome, _req
 
 pytest.importorskip("fastapi")
@@ -224,10 +223,7 @@ def test_health_says_503_and_every_request_gets_an_openai_503_once_the_engine_di
                    threading.Thread(target=ask, args=("streamed",), kwargs={"stream": True})]
         for worker in workers:
             worker.start()
-        deadline = time.monotonic() + 30
-        while engine.load != (1, 1):
-            assert time.monotonic() < deadline, engine.load
-            time.sleep(0.005)
+        wait_for_load(engine, (1, 1))
         _kill(engine, "base exception", monkeypatch)
         gate.set()
         for worker in workers:
