@@ -199,6 +199,7 @@ def test_a_dead_engine_answers_what_it_held_and_takes_nothing_more(peaky, monkey
         outcomes = asyncio.run(main())
         for _, kind, error in outcomes:
             assert kind == "error" and (error.status, error.code) == (503, "engine_failed")
+        engine._thread.join(timeout=10)  # it answers its requests, then returns: not necessarily before they read it
         assert engine.failure is not None and not engine._thread.is_alive() and engine.load == (0, 0)
         with pytest.raises(EngineFailed):
             engine.submit(Ticket(_req(), _ids(prompt), None, 30, None))
