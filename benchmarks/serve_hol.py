@@ -61,8 +61,13 @@ TIMEOUT_S = 600  # any one request of the head-of-line run
 
 
 def _corpus() -> str:
-    """Real prose to build long prompts from: the summary suite's news articles (~218k characters)."""
-    return "\n\n".join(p.user for p in SUITES["summary"]())
+    """Real prose to build long prompts from: the summary suite's news articles (~218k characters), or, where their
+    data (../shared/data) is absent, the docs suite's texts, which every machine with lookupdec installed has."""
+    for suite in ("summary", "docqa"):
+        texts = [p.user for p in SUITES[suite]()]
+        if texts:
+            return "\n\n".join(texts)
+    raise SystemExit("error: no text to build long prompts from (the summary and docqa suites are both empty)")
 
 
 def long_prompt(tokenizer, corpus: str, variant: int, target: int) -> tuple[str, int]:
