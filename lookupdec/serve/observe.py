@@ -51,6 +51,11 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
+# lookupdec's prediction counters, (name, help), on this server's /metrics and on vLLM's (lookupdec.vllm.middleware).
+PREDICTION_ACCEPTED = ("lookupdec:prediction_accepted_tokens", "Prediction tokens that appear in the answer "
+                       "(usage.completion_tokens_details.accepted_prediction_tokens).")
+PREDICTION_REJECTED = ("lookupdec:prediction_rejected_tokens", "Prediction tokens that do not appear in the answer "
+                       "(usage.completion_tokens_details.rejected_prediction_tokens).")
 
 
 def client_request_id(value: str | None) -> str | None:
@@ -157,12 +162,8 @@ class Metrics:
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.passes = counter("lookupdec:target_passes", "Target forward passes of answered requests (their "
                               "prefill included).", ours)
-        self.prediction_accepted = counter(
-            "lookupdec:prediction_accepted_tokens", "Prediction tokens that appear in the answer "
-            "(usage.completion_tokens_details.accepted_prediction_tokens).", ours)
-        self.prediction_rejected = counter(
-            "lookupdec:prediction_rejected_tokens", "Prediction tokens that do not appear in the answer "
-            "(usage.completion_tokens_details.rejected_prediction_tokens).", ours)
+        self.prediction_accepted = counter(*PREDICTION_ACCEPTED, ours)
+        self.prediction_rejected = counter(*PREDICTION_REJECTED, ours)
         self.cache_drafted = counter("lookupdec:cache_drafted_tokens", "Drafted tokens copied from earlier "
                                      "answers (the rolling cache).", ours)
         # As prometheus-fastapi-instrumentator names it on vLLM's server, with the status code itself (not 2xx).

@@ -126,11 +126,9 @@ def _prediction_counters() -> tuple:
         if _COUNTERS is None:
             from prometheus_client import Counter
 
-            _COUNTERS = (
-                Counter("lookupdec:prediction_accepted_tokens", "Prediction tokens that appear in the answer "
-                        "(usage.completion_tokens_details.accepted_prediction_tokens).", ["model_name"]),
-                Counter("lookupdec:prediction_rejected_tokens", "Prediction tokens that do not appear in the answer "
-                        "(usage.completion_tokens_details.rejected_prediction_tokens).", ["model_name"]))
+            from ..serve.observe import PREDICTION_ACCEPTED, PREDICTION_REJECTED
+
+            _COUNTERS = (Counter(*PREDICTION_ACCEPTED, ["model_name"]), Counter(*PREDICTION_REJECTED, ["model_name"]))
         return _COUNTERS
 
 
