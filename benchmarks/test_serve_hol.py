@@ -5,6 +5,8 @@ question, not this one's. Tests of the tools, not of the product (``python -m py
 
 import json
 
+import pytest
+
 from benchmarks import serve_hol
 
 
@@ -25,3 +27,13 @@ def test_every_part_runs_and_is_reported(served, tmp_path, monkeypatch):
     for part in (a, b, c, d):
         assert part["health"]["polls"] > 0
     assert "| b | short request sent 0.1 s after a prompt of" in (tmp_path / "head_of_line.md").read_text()
+
+
+def test_long_prompts_come_from_installed_texts_where_the_news_data_is_absent(monkeypatch):
+    # A clone with nothing beside it has no ../shared/data: the summary suite is empty, the docs suite is not.
+    monkeypatch.setitem(serve_hol.SUITES, "summary", lambda: [])
+    corpus = serve_hol._corpus()
+    assert corpus and corpus == "\n\n".join(p.user for p in serve_hol.SUITES["docqa"]())
+    monkeypatch.setitem(serve_hol.SUITES, "docqa", lambda: [])
+    with pytest.raises(SystemExit, match="no text to build long prompts from"):
+        serve_hol._corpus()
