@@ -402,7 +402,7 @@ def draft_gains(first: float, then: float, costs: Sequence[float]) -> np.ndarray
 
 # Tokens' worth of allowance a request starts with under a slowdown bound (Ledger): room for a first probe before
 # the request has produced anything to earn it, at most max_slowdown * START_TOKENS plain steps of loss in all.
-START_TOKENS = 16
+START_TOKENS = 4
 
 
 @dataclass
