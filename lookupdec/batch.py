@@ -495,7 +495,7 @@ class BatchRun:
             positions = torch.from_numpy(self.counts[:, None] + np.arange(span)).to(self.device)
             mask = self._pass_mask(torch.cat([self.kv_mask, feed_mask], dim=1))
             logits = self._forward(feed, span, self.cache, mask, positions)
-        drafter.observe(len(rows), span - 1, self.last_pass_seconds)
+        drafter.observe(len(rows), span - 1, self.last_pass_seconds, [row.session for row in rows])
 
         accepted = np.zeros(len(rows), dtype=np.int64)
         bad = []

@@ -320,10 +320,27 @@ class Drafter:
             length = min(cost.probe(length, longest), costs.size - 1)
         return length, float(costs[length])
 
-    def observe(self, rows: int, drafted: int, seconds: float) -> None:
+    def observe(self, rows: int, drafted: int, seconds: float, sessions: Sequence = ()) -> None:
         """Feed the cost fit: a pass over ``rows`` rows, ``drafted`` positions wide beyond each row's last token,
-        took ``seconds``."""
-        self.batch_cost(rows).observe(drafted, seconds)
+        took ``seconds``.
+
+        A drafted pass of one row also charges its session's :class:`~lookupdec.policy.Ledger` what the pass was
+        measured to cost against recent plain steps (never less than one step), in place of its price
+        (:meth:`~lookupdec.policy.Ledger.timed`; before any plain step was timed, once one is):
+        the bound is on time, and the price of a short draft is a small difference the profile may get wrong
+        (on this project's CPU at two threads, passes of 1-2 drafted tokens cost 1.12-1.20 plain steps where the
+        profile priced 1.04-1.09, inside the refinement's dead band). Kept at its price: a row of a batch (a
+        bucket's plain steps mix batch sizes), a session whose draft lengths must not depend on timings
+        (``reproducible``), and a pass priced by a profile set by hand, which is taken as the truth."""
+        cost = self.batch_cost(rows)
+        cost.observe(drafted, seconds)
+        if rows != 1 or not cost.learns or not (np.isfinite(seconds) and seconds > 0):
+            return
+        plain = cost.plain_seconds()
+        for session in sessions:
+            ledger = getattr(session, "ledger", None)
+            if ledger is not None and not getattr(session, "reproducible", False):
+                ledger.timed(seconds if drafted else None, plain)
 
 
 def _as_tokens(ref: TokenSource, tokenizer) -> np.ndarray:
@@ -496,7 +513,7 @@ class DraftSession:
                 self.cache_drafted += len(draft)
                 self.cache_accepted += accepted
         if seconds is not None:
-            self.drafter.observe(1, len(draft), seconds)
+            self.drafter.observe(1, len(draft), seconds, (self,))
         self.ledger.settle(len(new))
         self.index.extend(new)
         # Follow the source the draft came from (or the cursor, if nothing was drafted) through the new tokens.

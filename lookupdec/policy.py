@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -188,6 +188,18 @@ class PassCost:
         profile, refinement = self._profile, self._refinement
         if refinement is not None and profile is not None:
             refinement.observe(draft_len, t, _extended(profile, draft_len)[draft_len])
+
+    @property
+    def learns(self) -> bool:
+        """Whether the passes' timings correct this cost: the online fit, or a profile with a refinement (not one
+        set by hand)."""
+        return self._profile is None or self._refinement is not None
+
+    def plain_seconds(self) -> float | None:
+        """The time of a plain step lately (forgotten as :meth:`observe` forgets), or ``None`` before one was
+        timed."""
+        weight, total = self._plain
+        return float(total / weight) if weight >= 1.0 else None
 
     def costs(self, available: int, *, refined: bool = True) -> np.ndarray:
         """Relative time of a pass with ``d`` drafted tokens, ``d = 0 .. available`` (``costs[0] == 1``): the
@@ -422,6 +434,7 @@ class Ledger:
     excess: float = 0.0
     produced: int = 0
     price: float = 1.0  # of the pass now being run, until settled
+    untimed: list = field(default_factory=list)  # (seconds, price) of drafted passes run before a plain step's time
 
     def room(self) -> float:
         """How much longer than a plain step the next pass may take for this request (``inf``: unbounded)."""
@@ -432,6 +445,22 @@ class Ledger:
     def charge(self, price: float) -> None:
         """The pass now being run costs ``price`` plain steps."""
         self.price = float(price)
+
+    def timed(self, seconds: float | None, plain: float | None) -> None:
+        """The pass now being run took ``seconds`` (``None``: a plain step), and a plain step lately ``plain``
+        (``None``: none timed yet). Where the timings are known, a drafted pass is charged what it took, never less
+        than a plain step, in place of its price; one run before any plain step was timed keeps its price until
+        one is, and is then charged the difference."""
+        if seconds is not None and plain is None:
+            self.untimed.append((seconds, self.price))
+            return
+        if plain is None or not plain > 0:
+            return
+        if seconds is not None:
+            self.price = max(seconds / plain, 1.0)
+        for took, price in self.untimed:
+            self.excess += max(took / plain, 1.0) - price
+        self.untimed.clear()
 
     def settle(self, produced: int) -> None:
         """The pass produced ``produced`` tokens for this request."""

@@ -479,8 +479,8 @@ class _HindsightDrafter(Drafter):
         done = len(self.session.index) - self.start_len
         return self.choose(offer, _common_prefix(offer.tokens.tolist(), self.answer[done:]))
 
-    def observe(self, rows, drafted, seconds):
-        self.inner.observe(rows, drafted, seconds)
+    def observe(self, rows, drafted, seconds, sessions=()):
+        self.inner.observe(rows, drafted, seconds, sessions)
 
 
 def _best_length_replay(drafter: Drafter, prompt: list, answer: list, cost, eos: int) -> dict:

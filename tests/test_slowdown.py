@@ -159,3 +159,27 @@ def test_a_bad_bound_is_a_usage_error():
 
     result = CliRunner().invoke(cli.main, ["serve", "--max-slowdown", "-1"])
     assert result.exit_code == 2 and "'-1' is not a fraction >= 0 or none" in result.output
+
+
+def test_a_request_alone_is_charged_what_its_drafted_passes_took():
+    # The profile prices a drafted pass at 1.01-1.16 plain steps; it takes 1.2 (inside the refinement's dead band,
+    # so the price stays). Every draft is rejected. The ledger charges what the passes took, so the request's
+    # time against plain decoding, counted from the clock, stays within the bound (plus one pass's overshoot).
+    from helpers_costs import nearly_free
+
+    prompt = np.tile(np.arange(10, 30, dtype=np.int32), 5)
+    plain_step, drafted_pass = 0.01, 0.012
+    config = DrafterConfig(max_draft=16, use_cache=False, calibrate=False, max_slowdown=BOUND)
+    drafter = Drafter(config)
+    drafter.cost.use_profile(nearly_free(16), refine=True)
+    session = drafter.start(prompt)
+    lost = drafts = 0
+    for _ in range(TOKENS):
+        (draft,) = drafter.propose([session], [16])
+        seconds = drafted_pass if draft.size else plain_step
+        session.commit([int(draft[0]) + 1 if draft.size else 7], seconds)
+        lost += seconds / plain_step - 1
+        drafts += bool(draft.size)
+    assert drafts >= 5  # it probed, and went on probing as its room grew
+    assert session.ledger.excess == pytest.approx(lost, abs=0.05)
+    assert lost <= BOUND * (TOKENS + START_TOKENS) + 0.2
