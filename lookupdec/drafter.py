@@ -324,14 +324,10 @@ class Drafter:
         """Feed the cost fit: a pass over ``rows`` rows, ``drafted`` positions wide beyond each row's last token,
         took ``seconds``.
 
-        A drafted pass of one row also charges its session's :class:`~lookupdec.policy.Ledger` what the pass was
-        measured to cost against recent plain steps (never less than one step), in place of its price
-        (:meth:`~lookupdec.policy.Ledger.timed`; before any plain step was timed, once one is):
-        the bound is on time, and the price of a short draft is a small difference the profile may get wrong
-        (on this project's CPU at two threads, passes of 1-2 drafted tokens cost 1.12-1.20 plain steps where the
-        profile priced 1.04-1.09, inside the refinement's dead band). Kept at its price: a row of a batch (a
-        bucket's plain steps mix batch sizes), a session whose draft lengths must not depend on timings
-        (``reproducible``), and a pass priced by a profile set by hand, which is taken as the truth."""
+        A drafted pass of one row also charges its session's :class:`~lookupdec.policy.Ledger` what it was
+        measured to take against recent plain steps, in place of its price (:meth:`~lookupdec.policy.Ledger.timed`;
+        why: docs/design.md, "Never slower, per request"). Kept at their price: rows of a batch, sessions whose
+        draft lengths must not depend on timings (``reproducible``) and passes priced by a profile set by hand."""
         cost = self.batch_cost(rows)
         cost.observe(drafted, seconds)
         if rows != 1 or not cost.learns or not (np.isfinite(seconds) and seconds > 0):

@@ -324,8 +324,8 @@ def test_the_passes_refine_a_calibrated_profile_for_every_drafter_of_the_model(c
     monkeypatch.setattr(cal, "measure_pass_costs", lambda model, max_draft, rows=1: dear[: max_draft + 1].copy())
     drafted = []
 
-    def observe(self, rows, width, _, sessions=()):  # each pass takes what the true curve says, whatever this
-        # machine does
+    # Each pass takes what the true curve says, whatever this machine does.
+    def observe(self, rows, width, _, sessions=()):
         drafted.append(width)
         self.batch_cost(rows).observe(width, 0.05 * true[min(width, true.size - 1)])
 
