@@ -57,6 +57,7 @@ from .policy import (
     bucket,
     padded_costs,
     padded_width,
+    room_of,
 )
 
 EMPTY = np.zeros(0, dtype=np.int32)
@@ -315,9 +316,9 @@ class Drafter:
             length = best_batch_length(offers, costs, margin=margin, slowdown=cfg.slowdown(must_draft))
         if cfg.guard and not (must_draft or fixed):
             # A calibrated profile learns from the passes run; now and then it asks for one it would not choose
-            # (at most one pass per band of lengths, for every drafter of the model and setting): the one pass a
-            # row's room does not bound, since a profile priced too dear would otherwise never be contradicted.
-            length = min(cost.probe(length, longest), costs.size - 1)
+            # (at most one pass per band of lengths, for every drafter of the model and setting), within the
+            # rows' room, or of one token where the room affords none.
+            length = cost.probe(length, costs[: longest + 1], room_of(offers))
         return length, float(costs[length])
 
     def observe(self, rows: int, drafted: int, seconds: float, sessions: Sequence = ()) -> None:

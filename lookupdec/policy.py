@@ -214,13 +214,13 @@ class PassCost:
             costs *= refinement.factors(available)
         return costs
 
-    def probe(self, chosen: int, longest: int) -> int:
+    def probe(self, chosen: int, costs: np.ndarray, room: float = float("inf")) -> int:
         """The draft length to run instead of the policy's pick (:meth:`Refinement.probe`); ``chosen`` unless the
         profile is refined."""
         refinement = self._refinement
         if refinement is None or self._profile is None:
             return chosen
-        return refinement.probe(chosen, longest)
+        return refinement.probe(chosen, costs, room)
 
     def use_profile(self, profile, source=None, *, refine=None) -> None:
         """Price drafts with ``profile[d]``, the measured time of a pass with ``d`` drafted tokens relative to a
@@ -325,18 +325,25 @@ class Refinement:
         factors[1:] = found[np.abs(bands[:, None] - seen[None, :]).argmin(axis=1)]
         return factors
 
-    def probe(self, chosen: int, longest: int) -> int:
-        """The draft length to run instead of ``chosen`` (the policy's pick; ``longest``: the longest on offer) so
-        that the profile gets the passes it is corrected from: where it says no draft pays, a length whose band was
-        never run is run once, once a plain step has been timed (a profile priced too dear would otherwise never
-        draft, and so never be contradicted: docs/design.md, "Calibration"). At most one pass per band; ``chosen``
-        otherwise."""
+    def probe(self, chosen: int, costs: np.ndarray, room: float = float("inf")) -> int:
+        """The draft length to run instead of ``chosen`` (the policy's pick; ``costs[d]``: the price of ``d``
+        drafted tokens, as far as the candidates on offer reach; ``room``: the tightest room of the pass's rows,
+        :class:`Ledger`) so that the profile gets the passes it is corrected from (a profile priced too dear would
+        otherwise never draft, and so never be contradicted: docs/design.md, "Calibration"). Where the policy says
+        no draft pays and a plain step has been timed: the longest length of a band never run whose price the room
+        affords, else one token if that band was never run (the cheapest drafted pass, which corrects every band
+        not yet run: :meth:`factors`). At most one pass per band; ``chosen`` otherwise."""
+        longest = len(costs) - 1
         if chosen or longest < 1:
             return chosen
         with self._lock:
-            base_w, weight = self._base[0], self._near[0, _band(longest)]
-        return longest if base_w >= 1.0 and weight < 1.0 else chosen
-
+            timed, weights = self._base[0] >= 1.0, self._near[0].copy()
+        if not timed:
+            return chosen
+        for d in range(longest, 0, -1):
+            if weights[_band(d)] < 1.0 and costs[d] - 1.0 <= room:
+                return d
+        return 1 if weights[_band(1)] < 1.0 else chosen
 
 def _extended(profile: np.ndarray, available: int) -> np.ndarray:
     """A profile to length ``available`` at least: past its measured lengths, the slope of its last quarter

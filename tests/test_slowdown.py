@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookupdec.drafter import Drafter, DrafterConfig, NoDrafts
-from lookupdec.policy import START_TOKENS, Ledger, Offer, best_batch_length, best_draft_length, token_lengths
+from lookupdec.policy import START_TOKENS, Ledger, Offer, _band, best_batch_length, best_draft_length, token_lengths
 
 BOUND = 0.05
 TOKENS = 200
@@ -183,3 +183,28 @@ def test_a_request_alone_is_charged_what_its_drafted_passes_took():
     assert drafts >= 5  # it probed, and went on probing as its room grew
     assert session.ledger.excess == pytest.approx(lost, abs=0.05)
     assert lost <= BOUND * (TOKENS + START_TOKENS) + 0.2
+
+
+def test_the_cost_models_probes_stay_within_the_room_but_one_token():
+    # A refined profile where no draft pays (each drafted token a full step), priced right, every draft rejected:
+    # the policy never drafts, so every draft run is the refinement's probe. The first, with no room yet, is one
+    # token; the longer bands wait until the request's room affords them. Probing the longest candidate at once
+    # (16 tokens, 17 steps) would cost this request 16 steps in its first pass.
+    prompt = np.tile(np.arange(10, 30, dtype=np.int32), 5)
+    plain_step = 0.01
+    profile = [1.0 + d for d in range(17)]
+    config = DrafterConfig(max_draft=16, use_cache=False, calibrate=False, max_slowdown=BOUND)
+    drafter = Drafter(config)
+    drafter.cost.use_profile(profile, refine=True)
+    session = drafter.start(prompt)
+    probes = []
+    for _ in range(TOKENS):
+        room = session.ledger.room()
+        (draft,) = drafter.propose([session], [16])
+        if draft.size:
+            probes.append(draft.size)
+            assert draft.size == 1 or profile[draft.size] - 1 <= room + 1e-9, (probes, room)
+        session.commit([int(draft[0]) + 1 if draft.size else 7], plain_step * profile[draft.size])
+    assert probes[0] == 1 and len(probes) >= 2 and max(probes) > 1, probes  # longer bands, once affordable
+    assert len(probes) == len({_band(d) for d in probes})  # at most one pass per band
+    assert session.ledger.excess <= BOUND * (TOKENS + START_TOKENS) + profile[1] - 1
