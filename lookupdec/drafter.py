@@ -318,7 +318,8 @@ class Drafter:
             # A calibrated profile learns from the passes run; now and then it asks for one it would not choose
             # (at most one pass per band of lengths, for every drafter of the model and setting), within the
             # rows' room, or of one token where the room affords none.
-            length = cost.probe(length, costs[: longest + 1], room_of(offers))
+            runs = [padded_width(d + 1, widths) - 1 for d in range(longest + 1)] if widths else None
+            length = cost.probe(length, costs[: longest + 1], room_of(offers), runs)
         return length, float(costs[length])
 
     def observe(self, rows: int, drafted: int, seconds: float, sessions: Sequence = ()) -> None:

@@ -214,13 +214,13 @@ class PassCost:
             costs *= refinement.factors(available)
         return costs
 
-    def probe(self, chosen: int, costs: np.ndarray, room: float = float("inf")) -> int:
+    def probe(self, chosen: int, costs: np.ndarray, room: float = float("inf"), runs=None) -> int:
         """The draft length to run instead of the policy's pick (:meth:`Refinement.probe`); ``chosen`` unless the
         profile is refined."""
         refinement = self._refinement
         if refinement is None or self._profile is None:
             return chosen
-        return refinement.probe(chosen, costs, room)
+        return refinement.probe(chosen, costs, room, runs)
 
     def use_profile(self, profile, source=None, *, refine=None) -> None:
         """Price drafts with ``profile[d]``, the measured time of a pass with ``d`` drafted tokens relative to a
@@ -291,6 +291,7 @@ class Refinement:
     def __init__(self):
         self._near = np.zeros((2, _band(1 << 16) + 1))  # per band: weight, sum of seconds / profile[d]
         self._base = np.zeros(2)  # weight, sum of plain-step seconds
+        self._probing: set = set()  # bands a probe was handed out for, until its pass is observed
         self._lock = threading.Lock()
 
     def observe(self, draft_len: int, seconds: float, priced: float) -> None:
@@ -302,6 +303,7 @@ class Refinement:
                 self._base += (1.0, seconds)
             else:
                 band = _band(draft_len)
+                self._probing.discard(band)
                 self._near[:, band] *= self.KEEP
                 self._near[:, band] += (1.0, seconds / priced)
 
@@ -325,25 +327,32 @@ class Refinement:
         factors[1:] = found[np.abs(bands[:, None] - seen[None, :]).argmin(axis=1)]
         return factors
 
-    def probe(self, chosen: int, costs: np.ndarray, room: float = float("inf")) -> int:
+    def probe(self, chosen: int, costs: np.ndarray, room: float = float("inf"), runs=None) -> int:
         """The draft length to run instead of ``chosen`` (the policy's pick; ``costs[d]``: the price of ``d``
         drafted tokens, as far as the candidates on offer reach; ``room``: the tightest room of the pass's rows,
-        :class:`Ledger`) so that the profile gets the passes it is corrected from (a profile priced too dear would
-        otherwise never draft, and so never be contradicted: docs/design.md, "Calibration"). Where the policy says
-        no draft pays and a plain step has been timed: the longest length of a band never run whose price the room
-        affords, else one token if that band was never run (the cheapest drafted pass, which corrects every band
-        not yet run: :meth:`factors`). At most one pass per band; ``chosen`` otherwise."""
+        :class:`Ledger`; ``runs[d]``: the drafted width a draft of ``d`` tokens is run and observed as, ``d``
+        itself by default, wider where passes are padded) so that the profile gets the passes it is corrected
+        from (a profile priced too dear would otherwise never draft, and so never be contradicted:
+        docs/design.md, "Calibration"). Where the policy says no draft pays and a plain step has been timed: the
+        longest length whose band was never run and whose price the room affords, else one token if its band was
+        never run (the cheapest drafted pass, whose correction carries to every band not yet run:
+        :meth:`factors`). A band is handed out once, to one caller, until its pass is observed, so at most one
+        pass per band, whichever drafters share this refinement (a handed-out pass never observed is not asked
+        for again); ``chosen`` otherwise."""
         longest = len(costs) - 1
         if chosen or longest < 1:
             return chosen
+        runs = range(longest + 1) if runs is None else runs
         with self._lock:
-            timed, weights = self._base[0] >= 1.0, self._near[0].copy()
-        if not timed:
-            return chosen
-        for d in range(longest, 0, -1):
-            if weights[_band(d)] < 1.0 and costs[d] - 1.0 <= room:
-                return d
-        return 1 if weights[_band(1)] < 1.0 else chosen
+            if self._base[0] < 1.0:
+                return chosen
+            weights, taken = self._near[0], self._probing
+            unrun = [d for d in range(longest, 0, -1) if weights[_band(runs[d])] < 1.0 and _band(runs[d]) not in taken]
+            pick = next((d for d in unrun if costs[d] - 1.0 <= room), 1 if unrun and unrun[-1] == 1 else chosen)
+            if pick:
+                taken.add(_band(runs[pick]))
+            return pick
+
 
 def _extended(profile: np.ndarray, available: int) -> np.ndarray:
     """A profile to length ``available`` at least: past its measured lengths, the slope of its last quarter

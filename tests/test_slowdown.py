@@ -204,7 +204,35 @@ def test_the_cost_models_probes_stay_within_the_room_but_one_token():
         if draft.size:
             probes.append(draft.size)
             assert draft.size == 1 or profile[draft.size] - 1 <= room + 1e-9, (probes, room)
+            # ... and the longest such: no longer length of a band not yet probed fitted the room.
+            probed = {_band(d) for d in probes}
+            assert all(profile[d] - 1 > room for d in range(draft.size + 1, 17) if _band(d) not in probed), probes
         session.commit([int(draft[0]) + 1 if draft.size else 7], plain_step * profile[draft.size])
     assert probes[0] == 1 and len(probes) >= 2 and max(probes) > 1, probes  # longer bands, once affordable
     assert len(probes) == len({_band(d) for d in probes})  # at most one pass per band
     assert session.ledger.excess <= BOUND * (TOKENS + START_TOKENS) + profile[1] - 1
+
+
+def test_a_probe_is_handed_out_once_per_band_as_the_pass_is_run():
+    from lookupdec.policy import Refinement, padded_width
+
+    costs = np.array([1.0 + d for d in range(17)])  # each drafted token a full step: no draft pays
+    refinement = Refinement()
+    assert refinement.probe(0, costs, 100.0) == 0  # no plain step timed yet
+    refinement.observe(0, 0.01, 1.0)
+    assert refinement.probe(3, costs, 100.0) == 3  # the policy drafts: no probe
+    assert refinement.probe(0, costs, 5.0) == 5  # the longest the room affords (band 4-7)
+    assert refinement.probe(0, costs, 5.0) == 3  # band 4-7 is handed out until its pass is observed
+    assert refinement.probe(0, costs, 0.5) == 1  # the room affords none: one token
+    assert refinement.probe(0, costs, 0.5) == 0
+    refinement.observe(5, 0.06, 6.0)
+    assert refinement.probe(0, costs[:8], 100.0) == 2  # band 4-7 was run; 3 and 1 are still handed out
+    # Padded passes (a static cache): a refinement sees a pass of 2 drafted tokens as the padded width 3, so
+    # the band of 2 is never observed and must not be probed again and again.
+    padded = Refinement()
+    padded.observe(0, 0.01, 1.0)
+    padded.observe(3, 0.04, 4.0)
+    runs = [padded_width(d + 1, (1, 2, 4, 8)) - 1 for d in range(4)]  # 0, 1, 3, 3
+    assert padded.probe(0, costs[:4], 100.0, runs) == 1
+    padded.observe(1, 0.02, 2.0)
+    assert [padded.probe(0, costs[:4], 100.0, runs) for _ in range(3)] == [0, 0, 0]
