@@ -314,7 +314,7 @@ class Drafter:
             length = best_draft_length(offers[0].first, offers[0].then, costs, margin=margin, room=offers[0].room)
         else:
             length = best_batch_length(offers, costs, margin=margin, slowdown=cfg.slowdown(must_draft))
-        if cfg.guard and not (must_draft or fixed):
+        if length == 0 and cfg.guard and not (must_draft or fixed):
             # A calibrated profile learns from the passes run; now and then it asks for one it would not choose
             # (at most one pass per band of lengths, for every drafter of the model and setting), within the
             # rows' room, or of one token where the room affords none.
