@@ -166,6 +166,11 @@ class Result:
     rejected: int | None = None
     error: str | None = None
     drafted: int | None = None  # draft tokens lookupdec serve verified (its usage's "lookup"); None from others
+    prompt_tokens: int | None = None  # as the server's usage reports it
+    # When the request went to the server and when its answer came back (this process's time.perf_counter(); only
+    # compared within one server, level and repetition).
+    sent_at: float | None = None
+    done_at: float | None = None
 
 
 def _openai():
@@ -185,13 +190,16 @@ async def _send(client, server: Server, req: Request, level: int, rep: int, toke
         kw["prediction"] = {"type": "content", "content": req.prediction}
     if server.name in NO_LOOKUP_SERVERS:
         kw["extra_body"] = {"lookup": False}  # lookupdec serve's own field: decode without drafting
-    start = time.perf_counter() if start is None else start
+    sent = time.perf_counter()
+    start = sent if start is None else start
     try:
         resp = await client.chat.completions.create(**kw)
     except Exception as err:  # noqa: BLE001 - every failure is recorded and reported, none stops the run
-        return Result(server.name, level, rep, req.name, req.kind, time.perf_counter() - start, None, 0, 0,
-                      error=f"{type(err).__name__}: {err}"[:300])
-    seconds = time.perf_counter() - start
+        done = time.perf_counter()
+        return Result(server.name, level, rep, req.name, req.kind, done - start, None, 0, 0,
+                      error=f"{type(err).__name__}: {err}"[:300], sent_at=sent, done_at=done)
+    done = time.perf_counter()
+    seconds = done - start
     text = resp.choices[0].message.content or ""
     usage = resp.usage
     details = getattr(usage, "completion_tokens_details", None) if usage else None
@@ -201,7 +209,8 @@ async def _send(client, server: Server, req: Request, level: int, rep: int, toke
                   usage.completion_tokens if usage else 0,
                   getattr(details, "accepted_prediction_tokens", None) if details else None,
                   getattr(details, "rejected_prediction_tokens", None) if details else None,
-                  drafted=lookup.get("drafted_tokens") if isinstance(lookup, dict) else None)
+                  drafted=lookup.get("drafted_tokens") if isinstance(lookup, dict) else None,
+                  prompt_tokens=getattr(usage, "prompt_tokens", None) if usage else None, sent_at=sent, done_at=done)
 
 
 async def schedule(requests: list, level: int, interval: float | None, send) -> tuple[list, float]:
@@ -303,6 +312,11 @@ def summarize(results: list[Result], walls: dict, servers: list[str], levels: li
                     "throughput": ratio(row["tok_s"], ref["tok_s"]),
                     # Each open-ended request's speed (the reference's latency over this server's), slowest first.
                     "open_speeds": sorted(b.seconds / a.seconds for a, b in pairs if a.kind == "open"),
+                    # What else the engine took in while each open-ended request ran, here and on the reference.
+                    "open_beside": sorted(({"name": f"{a.name}, rep {a.rep}", "speed": b.seconds / a.seconds,
+                                            "prompt_tokens_beside": prompt_tokens_beside(results, a),
+                                            "reference_prompt_tokens_beside": prompt_tokens_beside(results, b)}
+                                           for a, b in pairs if a.kind == "open"), key=lambda o: o["speed"]),
                     "speeds": {kind: spread({f"{a.name}, rep {a.rep}": b.seconds / a.seconds
                                              for a, b in pairs if a.kind == kind})
                                for kind in kinds if any(a.kind == kind for a, _ in pairs)},
@@ -311,6 +325,20 @@ def summarize(results: list[Result], walls: dict, servers: list[str], levels: li
                 }
     return {"servers": {f"{s}@{c}": row for (s, c), row in by.items()},
             "reference": reference if ratios else None, "ratios": ratios}
+
+
+def prompt_tokens_beside(results: list[Result], r: Result) -> int | None:
+    """The prompt tokens of the requests the same server took in while `r` ran (sent after `r` was sent and before
+    its answer came back, same level and repetition): the prefills that shared its steps. In a closed loop a server
+    that answers some requests sooner is sent the next ones sooner, so the others' prefills, not only their drafts,
+    can slow an open-ended request down. None where a time or a count is missing."""
+    same = [q for q in results if q.server == r.server and q.level == r.level and q.rep == r.rep]
+    if any(q.sent_at is None for q in same) or r.done_at is None:
+        return None
+    beside = [q for q in same if q is not r and r.sent_at < q.sent_at < r.done_at]
+    if any(q.prompt_tokens is None for q in beside):  # a failed request: what it cost the server is unknown
+        return None
+    return sum(q.prompt_tokens for q in beside)
 
 
 def _pairs(results, level, server, reference):
@@ -379,6 +407,16 @@ def markdown(summary: dict, meta: dict) -> str:
                 lines.append(f"| {level} | {server} | {f(r['median_latency'])} | {f(r['p95_latency'])} "
                              f"| {f(r['median_edit_latency'])} | {f(r['median_open_latency'])} | {opens} "
                              f"| {f(r['throughput'])} | {r['identical']}/{r['pairs']} |")
+        beside = [(level, server, o) for level, by_server in summary["ratios"].items()
+                  for server, r in by_server.items() for o in r["open_beside"]]
+        if beside:
+            lines += ["", (f"Each open-ended request: its speed against {ref}, and the prompt tokens of the requests "
+                           f"sent while it ran (their prefills shared its steps), here and on {ref}:"), "",
+                      f"| c | server | request | speed | prompt tokens beside | on {ref} |", "|" + "---|" * 6]
+            for level, server, o in beside:
+                here, there = (o[k] for k in ("prompt_tokens_beside", "reference_prompt_tokens_beside"))
+                lines.append(f"| {level} | {server} | {o['name']} | {f(o['speed'])} "
+                             f"| {'-' if here is None else here} | {'-' if there is None else there} |")
         lines += ["", (f"Each request's speed against {ref} ({ref}'s latency over the server's, > 1 favours the "
                        "server), by class of request: median, 10th percentile (nearest rank: below ten requests, the "
                        "slowest) and the worst request:"), "",
