@@ -38,7 +38,9 @@ accepted / rejected prediction tokens (``usage.completion_tokens_details``) of t
 each server's ratios to a reference server (``--reference``: ``vllm`` when it runs, else ``transformers``, else
 ``lookupdec-plain``, else the first of ``--servers``): median, p95, median edit and median open-ended latency,
 throughput, and per class of request (edit, open) each request's speed (the reference's latency over the
-server's) as median, 10th percentile (nearest rank) and worst request. Greedy outputs are compared with the
+server's) as median, 10th percentile (nearest rank) and worst request; each open-ended request's speed beside the
+prompt tokens of the requests sent while it ran, here and on the reference (their prefills shared its steps: in a
+closed loop a server that answers edits sooner is sent the next ones sooner). Greedy outputs are compared with the
 reference's for the same request and repetition (``identical``) and with each server's own output at the lowest
 level (``stable``). Writes ``serve.json`` (every request) and ``serve.md`` to ``--out``.
 
