@@ -46,6 +46,9 @@ class _View:
     def scheduled_tokens(self):
         return self.engine.scheduled
 
+    def prompt_tokens(self):
+        return getattr(self.engine, "prompt", 0)
+
     def request(self, req_id):
         r = self.engine.requests[req_id]
         return _internals.RequestInfo(req_id, r["prompt_len"], frozenset({1}), r.get("sampling_max", r["max_tokens"]),
@@ -502,3 +505,31 @@ def test_token_cost_fits_the_line_and_assumes_the_slope_until_it_can_fit_one():
     cost.observe(0, 1.0)
     cost.observe(3, float("nan"))  # neither is a pass: ignored
     assert cost.line() == (base, per_token)
+
+
+def test_the_served_cost_line_is_fitted_on_steps_without_prompt_tokens():
+    # A step costs 50 ms, 2.2 ms a verified token (a row's last one or a draft), 1.5 ms a prompt token (it computes
+    # no logits). Steps that prefill beside the rows must not pull the drafts' price towards the prompt tokens'.
+    proposer = proposer_module.LookupProposer(_config())
+    rng = np.random.default_rng(0)
+    clock = 0.0
+    for step in range(300):
+        rows, drafted = 4, int(rng.integers(0, 24))
+        prompt = 200 if step % 3 == 0 else 0
+        view = SimpleNamespace(scheduled_tokens=lambda n=rows + drafted + prompt: n,
+                               prompt_tokens=lambda p=prompt: p)
+        proposer._last_end = clock
+        clock += 0.050 + 0.0022 * (rows + drafted) + 0.0015 * prompt
+        proposer._observe(view, clock)
+    base, per_token = proposer.cost.line()
+    assert base == pytest.approx(0.050, rel=0.02) and per_token == pytest.approx(0.0022, rel=0.02)
+
+
+def test_the_runner_view_counts_the_prompt_tokens_a_step_scheduled():
+    # a: its last token; b: its last token and four drafts; c and d: prompt chunks (d's drafts, none, do not count).
+    out = SimpleNamespace(total_num_scheduled_tokens=209, num_scheduled_tokens={"a": 1, "b": 5, "c": 200, "d": 3},
+                          scheduled_spec_decode_tokens={"b": [7, 8, 9, 10]})
+    view = _internals.RunnerView(None, out)
+    assert view.scheduled_tokens() == 209 and view.prompt_tokens() == 203
+    out.scheduled_spec_decode_tokens = {}  # vLLM's default when nothing is drafted: b's five tokens are a chunk then
+    assert view.prompt_tokens() == 208

@@ -102,6 +102,14 @@ class RunnerView:
         """Tokens the step that just ran scheduled: last tokens, drafts and prefill chunks of every row."""
         return int(self._scheduler_output.total_num_scheduled_tokens)
 
+    def prompt_tokens(self) -> int:
+        """Of those, the tokens of prompts being prefilled: a request scheduled for other than its last token and
+        its drafts (``1 + len(drafts)``) was scheduled a chunk of its prompt (or of its tokens again, after a
+        preemption)."""
+        out = self._scheduler_output
+        drafts = out.scheduled_spec_decode_tokens or {}
+        return sum(int(n) for req_id, n in out.num_scheduled_tokens.items() if n != 1 + len(drafts.get(req_id, ())))
+
     def request(self, req_id: str) -> RequestInfo:
         from vllm.sampling_params import SamplingType
 
