@@ -446,8 +446,9 @@ def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[
     turn after the first: their in-memory rolling cache of earlier outputs would otherwise draft each repeated
     request from its own earlier answer, which no real workload offers. (transformers serve keeps running; its
     continuous batching shares KV blocks of repeated prompt prefixes, but only whole blocks of CB_PAGE_TOKENS; the
-    workload's prompts, 165-230 tokens with the chat template, fill none. Plain vLLM and vllm-ngram keep running
-    too: vLLM's prefix cache reuses a repeated prompt's KV blocks, which saves a prefill, never a decoding step.)"""
+    workload's prompts, 165-230 tokens with the chat template, fill none. Plain vLLM, vllm-ngram and vllm-zero keep
+    running too, and every vLLM server's prefix cache is emptied before each turn (:meth:`Server.reset_prefix_cache`):
+    a kept one would skip the prefills of the prompts repeated from earlier turns, which a restarted server pays.)"""
     names = list(servers)
     width = min(4, max(args.levels))
     for name in names:
@@ -464,6 +465,8 @@ def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[
                 server.wait_ready()
                 note(f"{name} restarted in {server.ready_s:.1f} s")
                 warm_up(server, tokenizer, width)
+            if name in srv.VLLM_SERVERS:
+                server.reset_prefix_cache()  # every vLLM server starts the turn with no prompt computed
             cpu = server.cpu_seconds()
             rs, wall = drive(server, requests, level, rep, tokenizer, args.interval)
             # The server's CPU time over the wall time: about its thread count when it had the cores to itself,

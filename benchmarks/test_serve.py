@@ -10,6 +10,9 @@ checks are lower bounds and orderings, which a slow machine cannot break."""
 import asyncio
 import json
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from benchmarks import serve
 from benchmarks.serve import Result, schedule, summarize
@@ -127,3 +130,67 @@ def test_the_throughput_first_servers_run_without_the_per_request_bound(tmp_path
     assert "--max-slowdown" not in srv.lookupdec_server(args, {}, "lookupdec").base_argv
     vllm = srv.vllm_server(args, "vllm-lookupdec-throughput", {}, source="")
     assert vllm.base_argv[-2:] == ["--max-slowdown", "none"] and "--engine" in vllm.base_argv
+
+
+def test_every_vllm_server_starts_each_turn_with_an_empty_prefix_cache(monkeypatch):
+    # A vLLM server that keeps running would find the prompts of earlier turns computed; one restarted would not.
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.ready_s = name, 0.0
+
+        def reset_prefix_cache(self):
+            calls.append(("reset", self.name))
+
+        def cpu_seconds(self):
+            return None
+
+        def stop(self):
+            calls.append(("stop", self.name))
+
+        def start(self):
+            pass
+
+        def wait_ready(self):
+            pass
+
+    monkeypatch.setattr(serve, "warm_up", lambda *a: None)
+    monkeypatch.setattr(serve, "drive", lambda server, *a: (calls.append(("drive", server.name)) or ([], 1.0)))
+    args = SimpleNamespace(levels=[4], reps=2, keep_cache=False, interval=None)
+    servers = {name: Fake(name) for name in ("vllm", "vllm-lookupdec", "lookupdec")}
+    serve.benchmark(args, servers, [], None)
+    for name in ("vllm", "vllm-lookupdec"):
+        drives = [i for i, c in enumerate(calls) if c == ("drive", name)]
+        assert len(drives) == 2 and all(calls[i - 1] == ("reset", name) for i in drives)
+    assert ("reset", "lookupdec") not in calls  # lookupdec's own engine has no such cache to empty
+
+
+def test_resetting_a_prefix_cache_the_server_refuses_stops_the_run(tmp_path):
+    import http.server
+    import threading
+
+    from benchmarks.servers import BenchError, Server
+
+    answers = iter([200, 404])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            code = next(answers)
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(b"{}" if code == 200 else b'{"detail": "Not Found"}')
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = Server("vllm", [], {}, tmp_path / "log")
+        server.port = httpd.server_address[1]
+        server.reset_prefix_cache()  # 200: emptied
+        with pytest.raises(BenchError, match="reset_prefix_cache answered HTTP 404"):
+            server.reset_prefix_cache()
+    finally:
+        httpd.shutdown()
