@@ -169,7 +169,7 @@ class Server:
         """Empty a vLLM server's prefix cache (its development route, which ``vllm_env`` enables). A server that
         keeps running from turn to turn would otherwise find every repeated prompt already computed, while one
         restarted for the turn (``vllm-lookupdec``) prefills them again: in a closed loop, where prefills share the
-        open-ended rows' steps, that favoured plain vLLM by up to a fifth."""
+        open-ended rows' steps, that favoured plain vLLM in every turn after the first."""
         status, body = http_post(self.url + "/reset_prefix_cache", b"", timeout=30)
         if status != 200:
             raise BenchError(f"{self.name}: POST /reset_prefix_cache answered HTTP {status} "

@@ -47,7 +47,7 @@ class _View:
         return self.engine.scheduled
 
     def prompt_tokens(self):
-        return getattr(self.engine, "prompt", 0)
+        return 0  # the driver's rows start decoding at once: no step schedules a prompt chunk
 
     def request(self, req_id):
         r = self.engine.requests[req_id]
@@ -526,7 +526,7 @@ def test_the_served_cost_line_is_fitted_on_steps_without_prompt_tokens():
 
 
 def test_the_runner_view_counts_the_prompt_tokens_a_step_scheduled():
-    # a: its last token; b: its last token and four drafts; c and d: prompt chunks (d's drafts, none, do not count).
+    # a: its last token; b: its last token and four drafts; c and d: chunks of their prompts.
     out = SimpleNamespace(total_num_scheduled_tokens=209, num_scheduled_tokens={"a": 1, "b": 5, "c": 200, "d": 3},
                           scheduled_spec_decode_tokens={"b": [7, 8, 9, 10]})
     view = _internals.RunnerView(None, out)
