@@ -52,6 +52,7 @@ from .policy import (
     Ledger,
     Offer,
     PassCost,
+    PlainSteps,
     best_batch_length,
     best_draft_length,
     bucket,
@@ -212,14 +213,15 @@ class Drafter:
         self.vocab_size = vocab_size
         self.acceptance = Acceptance()
         self.cost = PassCost()
+        self.plain_steps = PlainSteps()  # what drafted passes are charged against, per exact number of rows
         self._batch_costs = {}
         self._batch_lock = threading.Lock()
 
     @staticmethod
     def batch_rows(rows: int) -> int:
         """The bucket a batch of ``rows`` rows is priced in: the next power of two. A batch shrinks as its rows
-        finish; its pass cost changes little between neighbouring sizes, and a profile measured per bucket serves
-        every size in it."""
+        finish, and a profile measured per bucket serves every size in it, its drafted passes priced up for a
+        batch whose plain steps are cheaper than the bucket's (:meth:`~lookupdec.policy.PlainSteps.bucket_factor`)."""
         return 1 << max(rows - 1, 0).bit_length()
 
     def batch_cost(self, rows: int) -> PassCost:
@@ -304,6 +306,10 @@ class Drafter:
             costs = padded_costs(cost.costs(padded_width(longest + 1, widths) - 1, refined=not fixed), widths)
         else:
             costs = cost.costs(longest, refined=not fixed)
+        if len(offers) > 1 and not fixed:  # a bucket's profile, for a batch of fewer rows than the bucket's
+            factor = self.plain_steps.bucket_factor(len(offers), self.batch_rows(len(offers)))
+            if factor != 1.0:
+                costs = np.concatenate([costs[:1], costs[1:] * factor])
         if not cfg.adaptive:
             length = min(longest, costs.size - 1)
             return length, float(costs[length])
@@ -326,19 +332,23 @@ class Drafter:
         """Feed the cost fit: a pass over ``rows`` rows, ``drafted`` positions wide beyond each row's last token,
         took ``seconds``.
 
-        A drafted pass of one row also charges its session's :class:`~lookupdec.policy.Ledger` what it was
-        measured to take against recent plain steps, in place of its price (:meth:`~lookupdec.policy.Ledger.timed`;
-        why: docs/design.md, "Never slower, per request"). Kept at their price: rows of a batch, sessions whose
-        draft lengths must not depend on timings (``reproducible``) and passes priced by a profile set by hand."""
+        A drafted pass also charges each of its sessions' :class:`~lookupdec.policy.Ledger` what it was measured
+        to take against recent plain steps of as many rows (:attr:`plain_steps`), in place of its price
+        (:meth:`~lookupdec.policy.Ledger.timed`; why: docs/design.md, "Never slower, per request"). Kept at their
+        price: sessions whose draft lengths must not depend on timings (``reproducible``) and passes priced by a
+        profile set by hand. A pass run before a plain step of its size was timed is charged once one is."""
         cost = self.batch_cost(rows)
         cost.observe(drafted, seconds)
-        if rows != 1 or not cost.learns or not (np.isfinite(seconds) and seconds > 0):
+        if not (np.isfinite(seconds) and seconds > 0):
             return
-        plain = cost.plain_seconds()
+        if drafted == 0:
+            self.plain_steps.observe(rows, seconds)
+        if not cost.learns:
+            return
         for session in sessions:
             ledger = getattr(session, "ledger", None)
             if ledger is not None and not getattr(session, "reproducible", False):
-                ledger.timed(seconds if drafted else None, plain)
+                ledger.timed(seconds if drafted else None, rows, self.plain_steps)
 
 
 def _as_tokens(ref: TokenSource, tokenizer) -> np.ndarray:

@@ -185,6 +185,84 @@ def test_a_request_alone_is_charged_what_its_drafted_passes_took():
     assert lost <= BOUND * (TOKENS + START_TOKENS) + 0.2
 
 
+def test_a_row_of_a_batch_is_charged_what_the_drafted_passes_took():
+    # Two rows: one drafts and every draft is rejected, one has nothing to copy ("lookup": false). The batch's
+    # profile prices a drafted pass at 1.01-1.16 plain steps of two rows; it takes 1.2 (inside the refinement's
+    # dead band, so the price stays), as on a CPU where a bucket's profile underprices the passes run. Both rows
+    # are charged what the passes took, so the row without drafts loses, counted from the clock, at most the bound
+    # (plus one pass's overshoot).
+    from helpers_costs import nearly_free
+
+    prompt = np.tile(np.arange(10, 30, dtype=np.int32), 5)
+    plain_step, drafted_pass = 0.02, 0.024
+    config = DrafterConfig(max_draft=16, use_cache=False, calibrate=False, max_slowdown=BOUND)
+    drafter = Drafter(config)
+    drafter.batch_cost(2).use_profile(nearly_free(16), refine=True)
+    drafting, plain = drafter.start(prompt), NoDrafts(BOUND)
+    lost = drafts = 0
+    for _ in range(TOKENS):
+        drafts_ = drafter.propose([drafting, plain], [16, 16])
+        width = max(draft.size for draft in drafts_)
+        seconds = drafted_pass if width else plain_step
+        drafter.observe(2, width, seconds, [drafting, plain])  # as BatchRun reports its pass, before the commits
+        drafting.commit([int(drafts_[0][0]) + 1 if width else 7])
+        plain.commit([5])
+        lost += seconds / plain_step - 1
+        drafts += bool(width)
+    assert drafts >= 5
+    assert plain.ledger.excess == pytest.approx(lost, abs=0.05)
+    assert lost <= BOUND * (TOKENS + START_TOKENS) + 0.2
+
+
+def test_a_pass_run_before_a_plain_step_of_its_size_is_charged_once_one_is():
+    from lookupdec.policy import PlainSteps
+
+    steps = PlainSteps()
+    steps.observe(4, 0.1)  # 4 rows' plain steps are known, 3 rows' not yet
+    ledger = Ledger(BOUND)
+    ledger.charge(1.2)
+    ledger.timed(0.3, 3, steps)  # a drafted pass of 3 rows: not measured against a plain step of 4
+    ledger.settle(1)
+    assert ledger.excess == pytest.approx(0.2)
+    ledger.timed(None, 4, steps)  # a plain step of 4 rows says nothing about it
+    ledger.settle(1)
+    assert ledger.excess == pytest.approx(0.2)
+    steps.observe(3, 0.075)
+    ledger.timed(None, 3, steps)
+    ledger.settle(1)
+    assert ledger.excess == pytest.approx(0.2 + 0.3 / 0.075 - 1.2)
+
+
+def test_a_bucket_profile_is_priced_for_a_smaller_batch_by_their_plain_steps():
+    # Batches of 3 rows are priced with the profile of 4 (their bucket), measured against a plain step of 4 rows.
+    # Where a plain step of 3 rows is cheaper, a drafted pass is priced up by the ratio, not below a pass of 4.
+    from helpers_costs import nearly_free
+
+    prompt = np.tile(np.arange(10, 30, dtype=np.int32), 5)
+    config = DrafterConfig(max_draft=16, use_cache=False, calibrate=False, max_slowdown=None,
+                           batch_slowdown=float("inf"))
+    profile = np.array(nearly_free(16))
+
+    def price(rows, timings):
+        drafter = Drafter(config)
+        drafter.batch_cost(4).use_profile(profile)
+        for size, seconds in timings:
+            drafter.plain_steps.observe(size, seconds)
+        sessions = [drafter.start(prompt) for _ in range(rows)]
+        for session in sessions:  # past the prompt's copy of itself, so that every row drafts
+            session.commit([10, 11, 12, 13])
+        drafts = drafter.propose(sessions, [8] * rows)
+        assert drafts[0].size
+        return sessions[0].ledger.price, profile[drafts[0].size]
+
+    timed = [(4, 0.1), (3, 0.075)]
+    charged, listed = price(3, timed)
+    assert charged == pytest.approx(listed * 0.1 / 0.075)
+    assert price(4, timed)[0] == pytest.approx(price(4, timed)[1])  # the bucket's own size: its profile
+    assert price(3, [(4, 0.1)])[0] == pytest.approx(price(3, [(4, 0.1)])[1])  # 3 rows' step not timed yet
+    assert price(3, [(4, 0.1), (3, 0.12)])[0] == pytest.approx(price(3, [(4, 0.1), (3, 0.12)])[1])  # never cheaper
+
+
 def test_the_cost_models_probes_stay_within_the_room_but_one_token():
     # A refined profile where no draft pays (each drafted token a full step), priced right, every draft rejected:
     # the policy never drafts, so every draft run is the refinement's probe. The first, with no room yet, is one
