@@ -485,8 +485,9 @@ class Ledger:
     excess: float = 0.0
     produced: int = 0
     price: float = 1.0  # of the pass now being run, until settled
-    untimed: list = field(default_factory=list)  # (seconds, price, rows) of drafted passes not yet timed against
-    # a plain step of their size
+    # Drafted passes not yet timed against a plain step of their size: rows -> [seconds, price, passes], summed,
+    # so that it stays one entry per batch size however long the request runs.
+    untimed: dict = field(default_factory=dict)
 
     def room(self) -> float:
         """How much longer than a plain step the next pass may take for this request (``inf``: unbounded)."""
@@ -501,22 +502,21 @@ class Ledger:
     def timed(self, seconds: float | None, rows: int, plain: PlainSteps) -> None:
         """The pass now being run, over ``rows`` rows, took ``seconds`` (``None``: a plain step); ``plain`` knows
         what plain steps of each size take lately. Where that is known, a drafted pass is charged what it took,
-        never less than a plain step, in place of its price; one run before a plain step of its size was timed
-        keeps its price until one is, and is then charged the difference."""
+        never less than a plain step, in place of its price; those run before a plain step of their size was timed
+        keep their price until one is, and are then charged the difference (all of them at once, never less than
+        a plain step each)."""
         step = plain.seconds(rows)
         if seconds is not None:
             if step is None:
-                self.untimed.append((seconds, self.price, rows))
+                entry = self.untimed.setdefault(rows, [0.0, 0.0, 0])
+                entry[0] += seconds
+                entry[1] += self.price
+                entry[2] += 1
             else:
                 self.price = max(seconds / step, 1.0)
-        waiting = []
-        for took, price, size in self.untimed:
-            step = plain.seconds(size)
-            if step is None:
-                waiting.append((took, price, size))
-            else:
-                self.excess += max(took / step, 1.0) - price
-        self.untimed = waiting
+        for size in [size for size in self.untimed if plain.seconds(size) is not None]:
+            took, price, passes = self.untimed.pop(size)
+            self.excess += max(took / plain.seconds(size), passes) - price
 
     def settle(self, produced: int) -> None:
         """The pass produced ``produced`` tokens for this request."""

@@ -220,17 +220,20 @@ def test_a_pass_run_before_a_plain_step_of_its_size_is_charged_once_one_is():
     steps = PlainSteps()
     steps.observe(4, 0.1)  # 4 rows' plain steps are known, 3 rows' not yet
     ledger = Ledger(BOUND)
-    ledger.charge(1.2)
-    ledger.timed(0.3, 3, steps)  # a drafted pass of 3 rows: not measured against a plain step of 4
+    for _ in range(2):  # two drafted passes of 3 rows: not measured against a plain step of 4
+        ledger.charge(1.2)
+        ledger.timed(0.3, 3, steps)
+        ledger.settle(1)
+    assert ledger.excess == pytest.approx(0.4)
+    assert len(ledger.untimed) == 1  # one record per batch size, however many passes wait
+    ledger.timed(None, 4, steps)  # a plain step of 4 rows says nothing about them
     ledger.settle(1)
-    assert ledger.excess == pytest.approx(0.2)
-    ledger.timed(None, 4, steps)  # a plain step of 4 rows says nothing about it
-    ledger.settle(1)
-    assert ledger.excess == pytest.approx(0.2)
+    assert ledger.excess == pytest.approx(0.4)
     steps.observe(3, 0.075)
     ledger.timed(None, 3, steps)
     ledger.settle(1)
-    assert ledger.excess == pytest.approx(0.2 + 0.3 / 0.075 - 1.2)
+    assert ledger.excess == pytest.approx(0.4 + 2 * (0.3 / 0.075 - 1.2))
+    assert not ledger.untimed
 
 
 def test_a_bucket_profile_is_priced_for_a_smaller_batch_by_their_plain_steps():
