@@ -504,7 +504,7 @@ class Ledger:
         what plain steps of each size take lately. Where that is known, a drafted pass is charged what it took,
         never less than a plain step, in place of its price; those run before a plain step of their size was timed
         keep their price until one is, and are then charged the difference (all of them at once, never less than
-        a plain step each)."""
+        one plain step a pass in all)."""
         step = plain.seconds(rows)
         if seconds is not None:
             if step is None:
