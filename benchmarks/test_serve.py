@@ -100,6 +100,23 @@ def test_each_open_ended_request_counts_the_prompts_sent_while_it_ran_here_and_o
     assert serve.prompt_tokens_beside(results, results[0]) == 200  # the reference's records are whole
 
 
+def test_the_placebo_cuts_only_edits_and_counts_a_cut_edit_identical_when_it_begins_the_answer():
+    reqs = [serve.Request("e", "edit", "u", "p", 96), serve.Request("o", "open", "u", None, 96),
+            serve.Request("s", "edit", "u", "p", 8)]
+    assert [r.max_tokens for r in serve.placebo(reqs, 40)] == [40, 96, 8]
+    assert [r.max_tokens for r in reqs] == [96, 96, 8]  # the run's requests are left as they were
+    results = [_result("ref", "e", "edit", 4.0, "key: 1\nname: x\n"), _result("ref", "f", "edit", 4.0, "abc"),
+               _result("ref", "o", "open", 4.0, "whole answer"),
+               _result("lookupdec-placebo", "e", "edit", 2.0, "key: 1\n"),
+               _result("lookupdec-placebo", "f", "edit", 2.0, "abd"),
+               _result("lookupdec-placebo", "o", "open", 4.0, "whole")]
+    walls = {("ref", 4, 0): 10.0, ("lookupdec-placebo", 4, 0): 8.0}
+    r = summarize(results, walls, ["ref", "lookupdec-placebo"], [4], "ref")["ratios"][4]["lookupdec-placebo"]
+    # The cut edit that begins the reference's answer is identical; one that departs from it is not, and an
+    # open-ended request, never cut, must match whole.
+    assert r["identical"] == 1 and [d["name"] for d in r["differences"]] == ["f", "o"]
+
+
 def test_lookupdec_against_its_own_engine_without_drafting(served, tmp_path):
     # Two real servers on a tiny model: lookupdec, and lookupdec-plain whose every request says "lookup": false.
     # lookupdec-plain is the reference by default; greedy texts must agree, and only lookupdec drafts.
