@@ -123,6 +123,27 @@ def test_compaction_keeps_rows_exact(tiny_model, monkeypatch):
     assert max(slots) <= max(p.shape[1] for p in prompts) + 50 + 32
 
 
+def test_holes_are_squeezed_out_once_they_pass_a_quarter_of_the_longest_row(tiny_model):
+    # Every pass reads the cache's masked holes too, so they are not left to double it: 200 slots hold rows of 144
+    # and 100 tokens (holes beyond 144 + 144 // 4 + 16 = 196: compacted), or of 150 (within 203: left alone).
+    from lookupdec._transformers import batch_cache, forward_params, target_forward
+
+    gen = torch.Generator().manual_seed(5)
+    for longest, compacted in ((144, True), (150, False)):
+        mask = torch.zeros((2, 200), dtype=torch.bool)
+        for row, tokens in enumerate((longest, 100)):
+            mask[row, torch.randperm(200, generator=gen)[:tokens].sort().values] = True
+        ids = torch.randint(3, tiny_model.config.vocab_size, (2, 200), generator=gen)
+        cache = batch_cache(tiny_model)
+        with torch.inference_mode():
+            target_forward(tiny_model, ids, cache, 1, forward_params(tiny_model), mask,
+                           (mask.long().cumsum(-1) - 1).clamp(min=0))
+            kept = batch_module._compact(cache, mask, longest)
+        assert kept.shape[1] == (longest if compacted else 200)
+        assert cache.get_seq_length() == kept.shape[1]
+        assert kept.sum(1).tolist() == [longest, 100]  # every row's tokens kept
+
+
 def test_two_identical_rows_equal_one_row_alone(tiny_model):
     prompt = _prompts(tiny_model, count=1, seed=3)[0]
     two = lookupdec.generate(tiny_model, prompt.repeat(2, 1), max_new_tokens=30)
