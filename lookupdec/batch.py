@@ -87,9 +87,9 @@ from .stats import GenerationStats
 from .verify import greedy_verdict
 
 # Masked holes tolerated beyond the longest row's tokens before compacting: a quarter of them plus this many. Holes
-# are not free: every pass still reads them (SmolLM2 on this CPU, 4 rows of 300 tokens: a step over 664 slots took
-# 1.12x, a 9-token pass 1.20x, one over 300), and a compaction costs about a third of a step, so they are squeezed
-# out after some tens of drafted passes, not when they double the cache.
+# are not free: every pass still reads them (`python -m benchmarks.holes`, SmolLM2 on a 2-core CPU, 4 rows of 300
+# tokens: a step over 664 slots took 1.11x, a 9-token pass 1.15x, one over 300), and a compaction costs about a
+# third of a step, so they are squeezed out after some tens of drafted passes, not when they double the cache.
 _COMPACT_SLACK = 16
 _COMPACT_SHARE = 4  # holes beyond longest // _COMPACT_SHARE + _COMPACT_SLACK are compacted
 
