@@ -514,9 +514,10 @@ class Ledger:
                 entry[2] += 1
             else:
                 self.price = max(seconds / step, 1.0)
-        for size in [size for size in self.untimed if plain.seconds(size) is not None]:
-            took, price, passes = self.untimed.pop(size)
-            self.excess += max(took / plain.seconds(size), passes) - price
+        for size, step in [(size, plain.seconds(size)) for size in self.untimed]:
+            if step is not None:
+                took, price, passes = self.untimed.pop(size)
+                self.excess += max(took / step, passes) - price
 
     def settle(self, produced: int) -> None:
         """The pass produced ``produced`` tokens for this request."""
