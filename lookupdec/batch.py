@@ -580,8 +580,8 @@ def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
 
 def _compact(cache, kv_mask: torch.Tensor, longest: int, *, force: bool = False) -> torch.Tensor:
     """Squeeze the masked holes out of the cache once they take more than a quarter of the room the longest row's
-    tokens do (:data:`_COMPACT_SLACK`), so that every pass reads few of them and memory stays proportional to the
-    longest row.
+    tokens do (:data:`_COMPACT_SHARE`, plus :data:`_COMPACT_SLACK` slots), so that every pass reads few of them and
+    memory stays proportional to the longest row.
 
     Before (``.`` a hole or left padding, letters a row's tokens)::
 
