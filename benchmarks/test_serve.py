@@ -149,6 +149,33 @@ def test_the_throughput_first_servers_run_without_the_per_request_bound(tmp_path
     assert vllm.base_argv[-2:] == ["--max-slowdown", "none"] and "--engine" in vllm.base_argv
 
 
+def test_the_a_a_controls_are_the_plain_servers_under_a_second_name(tmp_path):
+    # An A/A control is worth something only if it is the reference server again: same command, same requests.
+    from benchmarks import servers as srv
+
+    args = SimpleNamespace(device="cpu", dtype="fp32", model=None, max_batch=4, max_queue=None,
+                           out=tmp_path, startup_timeout=None, vllm_python=__file__)
+    again = srv.lookupdec_server(args, {}, "lookupdec-plain-again")
+    assert again.base_argv == srv.lookupdec_server(args, {}, "lookupdec-plain").base_argv
+    assert srv.vllm_server(args, "vllm-again", {}, source="F").base_argv == \
+        srv.vllm_server(args, "vllm", {}, source="F").base_argv
+    sent = []
+
+    class Client:
+        class chat:
+            class completions:
+                @staticmethod
+                async def create(**kw):
+                    sent.append(kw)
+                    raise RuntimeError("no server")
+
+    req = serve.Request("e", "edit", "fix it", "key: 1\n", 8)
+    for name in ("lookupdec-plain", "lookupdec-plain-again"):
+        server = SimpleNamespace(name=name, model_id="m")
+        asyncio.run(serve._send(Client, server, req, 1, 0, tokenizer=None))
+    assert sent[0] == sent[1] and sent[1]["extra_body"] == {"lookup": False} and "prediction" not in sent[1]
+
+
 def test_every_vllm_server_starts_each_turn_with_an_empty_prefix_cache(monkeypatch):
     # A vLLM server that keeps running would find the prompts of earlier turns computed; one restarted would not.
     calls = []
