@@ -48,7 +48,9 @@ each server's ratios to a reference server (``--reference``: ``vllm`` when it ru
 throughput, and per class of request (edit, open) each request's speed (the reference's latency over the
 server's) as median, 10th percentile (nearest rank) and worst request; each open-ended request's speed beside the
 prompt tokens of the requests sent while it ran, here and on the reference (their prefills shared its steps: in a
-closed loop a server that answers edits sooner is sent the next ones sooner). Greedy outputs are compared with the
+closed loop a server that answers edits sooner is sent the next ones sooner), and, where the server is lookupdec
+serve's own engine, what its usage says held it: the seconds of other requests' prefills once its prompt was in,
+and the plain steps drafts cost it net. Greedy outputs are compared with the
 reference's for the same request and repetition (``identical``) and with each server's own output at the lowest
 level (``stable``). Writes ``serve.json`` (every request) and ``serve.md`` to ``--out``.
 
@@ -182,6 +184,10 @@ class Result:
     # compared within one server, level and repetition).
     sent_at: float | None = None
     done_at: float | None = None
+    # lookupdec serve's own engine (usage.lookup): seconds other requests' prefills held it once its prompt was in, and
+    # the plain steps drafts (its own and its neighbours') cost it net; None from other servers.
+    others_prefill_s: float | None = None
+    draft_excess_steps: float | None = None
 
 
 def _openai():
@@ -221,7 +227,9 @@ async def _send(client, server: Server, req: Request, level: int, rep: int, toke
                   getattr(details, "accepted_prediction_tokens", None) if details else None,
                   getattr(details, "rejected_prediction_tokens", None) if details else None,
                   drafted=lookup.get("drafted_tokens") if isinstance(lookup, dict) else None,
-                  prompt_tokens=getattr(usage, "prompt_tokens", None) if usage else None, sent_at=sent, done_at=done)
+                  prompt_tokens=getattr(usage, "prompt_tokens", None) if usage else None, sent_at=sent, done_at=done,
+                  others_prefill_s=lookup.get("others_prefill_seconds") if isinstance(lookup, dict) else None,
+                  draft_excess_steps=lookup.get("draft_excess_steps") if isinstance(lookup, dict) else None)
 
 
 async def schedule(requests: list, level: int, interval: float | None, send) -> tuple[list, float]:
@@ -326,7 +334,10 @@ def summarize(results: list[Result], walls: dict, servers: list[str], levels: li
                     # What else the engine took in while each open-ended request ran, here and on the reference.
                     "open_beside": sorted(({"name": f"{a.name}, rep {a.rep}", "speed": b.seconds / a.seconds,
                                             "prompt_tokens_beside": prompt_tokens_beside(results, a),
-                                            "reference_prompt_tokens_beside": prompt_tokens_beside(results, b)}
+                                            "reference_prompt_tokens_beside": prompt_tokens_beside(results, b),
+                                            "others_prefill_s": a.others_prefill_s,
+                                            "reference_others_prefill_s": b.others_prefill_s,
+                                            "draft_excess_steps": a.draft_excess_steps}
                                            for a, b in pairs if a.kind == "open"), key=lambda o: o["speed"]),
                     "speeds": {kind: spread({f"{a.name}, rep {a.rep}": b.seconds / a.seconds
                                              for a, b in pairs if a.kind == kind})
@@ -431,13 +442,19 @@ def markdown(summary: dict, meta: dict) -> str:
         beside = [(level, server, o) for level, by_server in summary["ratios"].items()
                   for server, r in by_server.items() for o in r["open_beside"]]
         if beside:
-            lines += ["", (f"Each open-ended request: its speed against {ref}, and the prompt tokens of the requests "
-                           f"sent while it ran (their prefills shared its steps), here and on {ref}:"), "",
-                      f"| c | server | request | speed | prompt tokens beside | on {ref} |", "|" + "---|" * 6]
+            lines += ["", (f"Each open-ended request: its speed against {ref}, the prompt tokens of the requests "
+                           f"sent while it ran (their prefills shared its steps), here and on {ref}, and, from "
+                           "lookupdec serve's own engine (usage.lookup), the seconds other requests' prefills held "
+                           "it once its prompt was in, here and on the reference, and what drafts cost it net, in "
+                           "plain steps:"), "",
+                      (f"| c | server | request | speed | prompt tokens beside | on {ref} | prefills held it, s "
+                       f"| on {ref} | drafts' net cost, steps |"), "|" + "---|" * 9]
             for level, server, o in beside:
                 here, there = (o[k] for k in ("prompt_tokens_beside", "reference_prompt_tokens_beside"))
+                held, held_ref = (o.get(k) for k in ("others_prefill_s", "reference_others_prefill_s"))
                 lines.append(f"| {level} | {server} | {o['name']} | {f(o['speed'])} "
-                             f"| {'-' if here is None else here} | {'-' if there is None else there} |")
+                             f"| {'-' if here is None else here} | {'-' if there is None else there} "
+                             f"| {f(held)} | {f(held_ref)} | {f(o.get('draft_excess_steps'), 1)} |")
         lines += ["", (f"Each request's speed against {ref} ({ref}'s latency over the server's, > 1 favours the "
                        "server), by class of request: median, 10th percentile (nearest rank: below ten requests, the "
                        "slowest) and the worst request:"), "",

@@ -74,24 +74,26 @@ def test_each_open_ended_request_gets_its_own_speed_against_the_reference_slowes
 
 
 def test_each_open_ended_request_counts_the_prompts_sent_while_it_ran_here_and_on_the_reference():
-    def timed(server, name, kind, sent, done, prompt, seconds=None):
+    def timed(server, name, kind, sent, done, prompt, seconds=None, **lookup):
         return Result(server, 4, 0, name, kind, seconds or done - sent, "same", 3, 3, prompt_tokens=prompt,
-                      sent_at=sent, done_at=done)
+                      sent_at=sent, done_at=done, **lookup)
 
     # The open request runs 0-10 s on both; here two edits are sent while it runs (one before it, one after it
     # ended do not count), on the reference one.
     results = [timed("ref", "o", "open", 0.0, 10.0, 50), timed("ref", "e1", "edit", 2.0, 12.0, 200),
                timed("ref", "e0", "edit", -1.0, 1.0, 999), timed("ref", "e2", "edit", 12.0, 13.0, 400),
-               timed("srv", "o", "open", 0.0, 10.0, 50, seconds=12.5), timed("srv", "e1", "edit", 2.0, 4.0, 200),
+               timed("srv", "o", "open", 0.0, 10.0, 50, seconds=12.5, others_prefill_s=2.25, draft_excess_steps=1.5),
+               timed("srv", "e1", "edit", 2.0, 4.0, 200),
                timed("srv", "e0", "edit", -1.0, 1.0, 999), timed("srv", "e2", "edit", 4.0, 11.0, 400)]
     walls = {("ref", 4, 0): 13.0, ("srv", 4, 0): 11.0}
     summary = summarize(results, walls, ["ref", "srv"], [4], "ref")
     [o] = summary["ratios"][4]["srv"]["open_beside"]
-    assert o == {"name": "o, rep 0", "speed": 0.8, "prompt_tokens_beside": 600, "reference_prompt_tokens_beside": 200}
+    assert o == {"name": "o, rep 0", "speed": 0.8, "prompt_tokens_beside": 600, "reference_prompt_tokens_beside": 200,
+                 "others_prefill_s": 2.25, "reference_others_prefill_s": None, "draft_excess_steps": 1.5}
     table = serve.markdown(summary, {"servers": {"ref": {}, "srv": {}}, "threads": 1, "keep_cache": False,
                                      "edits": 3, "opens": 1, "date": "d", "machine": "m", "model": "x",
                                      "requests": 4, "max_tokens": 8, "reps": 1, "seconds": 1})
-    assert "| 4 | srv | o, rep 0 | 0.80 | 600 | 200 |" in table
+    assert "| 4 | srv | o, rep 0 | 0.80 | 600 | 200 | 2.25 | - | 1.5 |" in table
     # A request sent beside it that failed, or one without times (an older record): no count rather than a wrong one.
     results[5].prompt_tokens = None
     assert serve.prompt_tokens_beside(results, results[4]) is None

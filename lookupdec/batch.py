@@ -163,6 +163,9 @@ class Row:
         self.prefill_cache = None
         self.prefilled = 0
         self.prefill_seconds = 0.0
+        # Seconds of other rows' prefills (their passes and their joining) run while this row was in the batch:
+        # time it waited that plain decoding of it alone would not have (the server reports it per request).
+        self.others_prefill_seconds = 0.0
         if trace is not None:
             trace.start(prompt[0].tolist())
 
@@ -341,21 +344,27 @@ class BatchRun:
         """Prefill the next ``n`` prompt tokens of ``row`` on its own cache; at the prompt's end, pick its first
         token and add it to the batch (``True``). The row's cache is made at its first chunk; a row that will not
         join after all drops it (``row.prefill_cache = None``)."""
-        if row.prefill_cache is None:
-            if self.static_slots is not None:
-                row.prefill_cache = static_cache(self.model, self.static_slots)
-            else:
-                row.prefill_cache = rollback_cache(self.model) if self.one_at_a_time else batch_cache(self.model)
-        start = row.prefilled
-        chunk = row.prompt[:, start: start + n].to(self.device)  # a caller's CPU prompt beside a GPU model
-        logits = self._forward(chunk, 1, row.prefill_cache)  # [1, 1, vocab]
-        row.prefilled += n
-        row.prefill_seconds += self.last_pass_seconds
-        if row.prefilled < row.prompt_len:
-            return False
-        self._first_tokens([row], logits)
-        self._attach(row)
-        return True
+        beside, t0 = list(self.rows), time.perf_counter()
+        try:
+            if row.prefill_cache is None:
+                if self.static_slots is not None:
+                    row.prefill_cache = static_cache(self.model, self.static_slots)
+                else:
+                    row.prefill_cache = rollback_cache(self.model) if self.one_at_a_time else batch_cache(self.model)
+            start = row.prefilled
+            chunk = row.prompt[:, start: start + n].to(self.device)  # a caller's CPU prompt beside a GPU model
+            logits = self._forward(chunk, 1, row.prefill_cache)  # [1, 1, vocab]
+            row.prefilled += n
+            row.prefill_seconds += self.last_pass_seconds
+            if row.prefilled < row.prompt_len:
+                return False
+            self._first_tokens([row], logits)
+            self._attach(row)
+            return True
+        finally:
+            waited = time.perf_counter() - t0
+            for other in beside:
+                other.others_prefill_seconds += waited
 
     def _attach(self, row: Row) -> None:
         """Append ``row``'s prefilled cache to the batch's. Everything that can fail runs before the batch

@@ -148,6 +148,38 @@ def test_a_long_prompt_in_chunks_alone_and_beside_running_requests_is_plain_gree
     assert len(beside) >= 5 and any(rows > 0 and tokens == 24 for _, tokens, rows in beside)
 
 
+def test_each_request_is_told_the_prefills_run_beside_it_and_what_drafts_cost_it(tiny_model, monkeypatch):
+    # A request decoding while another's long prompt is prefilled (in chunks) and joins is told how long that
+    # held it: at least the joining prompt's own passes, at most the time it ran. The joining request, and one
+    # alone, are told nothing. The drafts' net cost (the ledger's excess, in plain steps) comes with it.
+    _small_chunks(monkeypatch, lone=40, busy=24)
+    short = _prompts(tiny_model, count=1, seed=52)[0]
+    long = _long_prompt(tiny_model, seed=3)
+
+    async def after_the_first_decodes(i, tickets):
+        if i == 1:
+            await _first_tokens(tickets[0])
+
+    with _engine(tiny_model) as engine:
+        [(_, _, alone)] = _ask(engine, [(short, 20, {})])
+        started = time.perf_counter()
+        tickets = []
+
+        class Kept(Ticket):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                tickets.append(self)
+
+        (_, _, first), (_, _, joined) = _ask(engine, [(short, 120, {}), (long, 8, {})], ticket_class=Kept,
+                                             between=after_the_first_decodes)
+        ran = time.perf_counter() - started
+    assert alone["others_prefill_seconds"] == 0.0 and joined["others_prefill_seconds"] == 0.0
+    long_prefill = tickets[1].row.prefill_seconds
+    assert 0 < long_prefill <= first["others_prefill_seconds"] < ran
+    for summary in (alone, first, joined):
+        assert isinstance(summary["draft_excess_steps"], float)
+
+
 @pytest.mark.slow
 def test_smollm2_long_prompt_in_chunks_is_plain_greedy(smollm2, monkeypatch):
     model, tokenizer = smollm2

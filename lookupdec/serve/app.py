@@ -269,8 +269,10 @@ def _usage(ticket: Ticket, summary: dict, completion_ids: list) -> dict:
     """OpenAI's usage object: ``completion_tokens`` are the answer's tokens (up to a stop string); the prediction
     counts in OpenAI's meaning (the prediction's tokens that do / do not appear in the answer); ``lookup``: this
     server's own figures (passes, the passes that verified a draft, drafted and accepted tokens, the drafted tokens
-    copied from the prediction that the model kept or refused, and the drafted tokens copied from earlier
-    answers)."""
+    copied from the prediction that the model kept or refused, the drafted tokens copied from earlier answers, and
+    where the request's time went beyond plain decoding of it: the seconds of other requests' prefills run once
+    its own prompt was in, and the plain steps the drafts of its passes, its own and its neighbours', cost it net,
+    negative where they saved)."""
     accepted, rejected = protocol.prediction_usage(ticket.prediction_ids, completion_ids) \
         if ticket.prediction_ids else (0, 0)
     out = protocol.usage(len(ticket.prompt_ids), len(completion_ids), accepted, rejected)
@@ -278,6 +280,8 @@ def _usage(ticket: Ticket, summary: dict, completion_ids: list) -> dict:
     out["lookup"]["prediction_drafts_accepted"] = summary.get("accepted_prediction_tokens", 0)
     out["lookup"]["prediction_drafts_rejected"] = summary.get("rejected_prediction_tokens", 0)
     out["lookup"]["cache_drafted_tokens"] = summary.get("cache_drafted_tokens", 0)
+    out["lookup"]["others_prefill_seconds"] = round(summary.get("others_prefill_seconds", 0.0), 4)
+    out["lookup"]["draft_excess_steps"] = round(summary.get("draft_excess_steps", 0.0), 3)
     return out
 
 
