@@ -408,8 +408,8 @@ class Engine:
             "cache_drafted_tokens": getattr(session, "cache_drafted", 0),
             # Where its time went beyond plain decoding of it: other requests' prefills run once its own prompt was
             # in, and what the drafts of its passes (its own and its neighbours') cost it net, in plain steps.
-            "others_prefill_seconds": row.others_prefill_seconds,
-            "draft_excess_steps": ledger.excess if (ledger := getattr(session, "ledger", None)) is not None else 0.0,
+            "others_prefill_seconds": float(row.others_prefill_seconds),
+            "draft_excess_steps": float(getattr(getattr(session, "ledger", None), "excess", 0.0)),
         }
 
     def _cut(self) -> None:
