@@ -178,8 +178,10 @@ def test_each_request_is_told_the_prefills_run_beside_it_and_what_drafts_cost_it
     assert alone["others_prefill_seconds"] == 0.0 and joined["others_prefill_seconds"] == 0.0
     long_prefill = tickets[1].row.prefill_seconds
     assert 0 < long_prefill <= first["others_prefill_seconds"] < ran
-    for summary in (alone, first, joined):
-        assert isinstance(summary["draft_excess_steps"], float)
+    # What drafts cost each request net, in plain steps: its ledger's account, a plain float in the answer.
+    for summary, ticket in ((first, tickets[0]), (joined, tickets[1])):
+        assert type(summary["draft_excess_steps"]) is float
+        assert summary["draft_excess_steps"] == pytest.approx(float(ticket.row.session.ledger.excess))
 
 
 @pytest.mark.slow
