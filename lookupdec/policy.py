@@ -584,15 +584,21 @@ class TokenCost:
     spread over enough different token counts to fit a slope, a prior stands in for it: a token costs
     :attr:`PRIOR_SHARE` of the fixed part (on this project's CPU vLLM runs SmolLM2-135M at about 65 ms for one
     token and 95 ms for four, a share of 0.18; an accelerator's is far lower, and the fit finds it within a few
-    dozen passes of a copy-heavy request). Only the ratio of the two parts prices a draft."""
+    dozen passes of a copy-heavy request). Only the ratio of the two parts prices a draft.
+
+    The slope used is the least-squares one (at least zero) plus :attr:`_CAUTION` of its standard errors: a slope
+    fitted on steps of nearly the same size is mostly noise, and one fitted at or near zero prices drafts as free,
+    so that every row drafts its longest, each step costs several plain ones, and the rows that draft nothing pay
+    for it (seen on vLLM's CPU build: steps of ~100 tokens taking 6 plain steps, priced at 1)."""
 
     PRIOR_SHARE = 0.1
     _KEEP = 0.98  # forgetting per observation: a few hundred passes, so the fit follows the machine's load
     _MIN_SPREAD = 4.0  # variance of the token counts seen before the slope is fitted rather than assumed
+    _CAUTION = 2.0  # standard errors added to the fitted slope
 
     def __init__(self, prior_share: float = PRIOR_SHARE):
         self.prior_share = prior_share
-        self._sums = np.zeros(5)  # weight, sum n, sum t, sum n*n, sum n*t
+        self._sums = np.zeros(6)  # weight, sum n, sum t, sum n*n, sum n*t, sum t*t
         self._lock = threading.Lock()
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -601,7 +607,7 @@ class TokenCost:
             return
         with self._lock:
             self._sums *= self._KEEP
-            self._sums += (1.0, n, t, n * n, n * t)
+            self._sums += (1.0, n, t, n * n, n * t, t * t)
 
     @property
     def weight(self) -> float:
@@ -612,16 +618,18 @@ class TokenCost:
         """``(base, per_token)`` in seconds; ``(1.0, prior_share)`` before any pass was seen (only their ratio
         prices drafts)."""
         with self._lock:
-            w, sn, st, snn, snt = self._sums
+            w, sn, st, snn, snt, stt = self._sums
         if w < 2:
             return 1.0, self.prior_share
         mean_n, mean_t = sn / w, st / w
         var = snn / w - mean_n ** 2
         if var >= self._MIN_SPREAD and w >= 4:
-            per_token = max((snt / w - mean_n * mean_t) / var, 0.0)
-            base = mean_t - per_token * mean_n
+            slope = (snt / w - mean_n * mean_t) / var
+            scatter = max(stt / w - mean_t ** 2 - slope * slope * var, 0.0)  # residual variance about the line
+            slope = max(slope, 0.0)
+            base = mean_t - slope * mean_n
             if base > 0:
-                return base, per_token
+                return base, slope + self._CAUTION * float(np.sqrt(scatter / (w * var)))
         base = mean_t / (1.0 + self.prior_share * mean_n)  # the slope assumed, the level measured
         return base, self.prior_share * base
 

@@ -507,6 +507,44 @@ def test_token_cost_fits_the_line_and_assumes_the_slope_until_it_can_fit_one():
     assert cost.line() == (base, per_token)
 
 
+def test_token_cost_does_not_price_drafts_as_free_on_a_noisy_narrow_fit():
+    # (scheduled tokens, ms) of the first drafting-free-of-prefill steps of a vLLM CPU server at four to eight
+    # requests: sizes 1-11, 40-68 ms of scatter. Their least-squares slope is below zero; clamped to zero it priced
+    # drafts as free, and every row then drafted its longest, in steps of ~100 tokens taking 0.34-0.41 s.
+    steps = [(4, 41.6), (1, 46.3), (1, 49.4), (1, 45.3), (1, 45.0), (1, 45.2), (4, 39.2), (4, 40.4), (4, 40.8),
+             (2, 54.3), (8, 56.0), (11, 67.5), (5, 49.0), (5, 45.3), (6, 51.6), (5, 47.0), (4, 52.8), (2, 56.9),
+             (2, 61.2), (6, 46.4), (6, 40.2), (2, 56.5), (2, 66.5), (2, 67.8), (1, 59.6)]
+    cost = TokenCost()
+    for tokens, ms in steps:
+        cost.observe(tokens, ms / 1000)
+    base, per_token = cost.line()
+    assert 0.04 < base < 0.06
+    assert per_token > 0.01 * base  # a step of eight rows and 100 drafted tokens priced at over 1.9 plain ones
+
+
+def test_steps_the_cost_fit_priced_too_cheaply_correct_it():
+    # A fit that found tokens free (steps of 1-8 tokens all 50 ms) meets steps of 100 tokens taking 0.35 s: those
+    # are the evidence that corrects it, not outliers to drop. An idle gap is still dropped.
+    proposer = proposer_module.LookupProposer(_config())
+    clock = 0.0
+
+    def step(tokens, seconds):
+        nonlocal clock
+        proposer._last_end = clock
+        clock += seconds
+        proposer._observe(SimpleNamespace(scheduled_tokens=lambda: tokens, prompt_tokens=lambda: 0), clock)
+
+    for tokens in (1, 2, 3, 4, 5, 6, 7, 8) * 3:
+        step(tokens, 0.050)
+    assert proposer.cost.line() == pytest.approx((0.050, 0.0))
+    step(8, 10.0)  # the engine idled
+    assert proposer.cost.line() == pytest.approx((0.050, 0.0))
+    for _ in range(5):
+        step(100, 0.050 + 0.003 * 100)
+    base, per_token = proposer.cost.line()
+    assert per_token > 0.0015
+
+
 def test_the_served_cost_line_is_fitted_on_steps_without_prompt_tokens():
     # A step costs 50 ms, 2.2 ms a verified token (a row's last one or a draft), 1.5 ms a prompt token (it computes
     # no logits). Steps that prefill beside the rows must not pull the drafts' price towards the prompt tokens'.

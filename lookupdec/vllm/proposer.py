@@ -48,8 +48,10 @@ from . import _internals
 
 _log = logging.getLogger(__name__)
 
-# A step whose gap since the last one is this many times the fitted time is not a step (the engine idled, or a
-# request's prefill ran alone between two drafting steps): it is not fed to the cost fit.
+# A step whose gap since the last one is this many times its expected time is not a step (the engine idled, or a
+# request's prefill ran alone between two drafting steps): it is not fed to the cost fit. The expected time prices
+# each token at no less than the prior's share of the fixed part, so that steps the fit priced too cheaply are not
+# taken for outliers: they are what corrects it.
 _OUTLIER = 4.0
 
 
@@ -225,8 +227,8 @@ class LookupProposer:
         seconds = start - self._last_end
         tokens = view.scheduled_tokens()
         base, per_token = self.cost.line()
-        fitted = base + per_token * tokens
-        if self.cost.weight >= 8 and seconds > _OUTLIER * fitted:
+        expected = base + max(per_token, self.cost.prior_share * base) * tokens
+        if self.cost.weight >= 8 and seconds > _OUTLIER * expected:
             return
         self.cost.observe(tokens, seconds)
 
