@@ -483,9 +483,11 @@ def placebo(requests: list[Request], tokens: int) -> list[Request]:
 
 def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[list[Result], dict, dict]:
     """Every (repetition, level) is a turn; in each, the servers run the requests one after the other, in an order
-    that alternates from turn to turn. Unless --keep-cache, lookupdec and vllm-lookupdec get a fresh server for each
-    turn after the first: their in-memory rolling cache of earlier outputs would otherwise draft each repeated
-    request from its own earlier answer, which no real workload offers. (transformers serve keeps running; its
+    that alternates from repetition to repetition at each level (and from level to level), so that over an even
+    number of repetitions each level runs every server first as often as last. Unless --keep-cache, lookupdec and
+    vllm-lookupdec get a fresh server for each turn after the first: their in-memory rolling cache of earlier
+    outputs would otherwise draft each repeated request from its own earlier answer, which no real workload offers.
+    (transformers serve keeps running; its
     continuous batching shares KV blocks of repeated prompt prefixes, but only whole blocks of CB_PAGE_TOKENS; the
     workload's prompts, 165-230 tokens with the chat template, fill none. Plain vLLM, vllm-ngram and vllm-zero keep
     running too, and every vLLM server's prefix cache is emptied before each turn (:meth:`Server.reset_prefix_cache`):
@@ -497,7 +499,9 @@ def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[
         warm_up(servers[name], tokenizer, width)
     results, walls, cpu_share = [], {}, {}
     for turn, (rep, level) in enumerate(itertools.product(range(args.reps), args.levels)):
-        order = names if turn % 2 == 0 else names[::-1]  # alternate who goes first: drift hits both alike
+        # Alternate who goes first, so that drift hits both alike. By turn alone, an even number of levels would
+        # give each level the same order in every repetition.
+        order = names if (rep + args.levels.index(level)) % 2 == 0 else names[::-1]
         for name in order:
             server = servers[name]
             if name in ROLLING_CACHE_SERVERS and turn > 0 and not args.keep_cache:

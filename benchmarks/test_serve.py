@@ -212,6 +212,27 @@ def test_every_vllm_server_starts_each_turn_with_an_empty_prefix_cache(monkeypat
     assert ("reset", "lookupdec") not in calls  # lookupdec's own engine has no such cache to empty
 
 
+def test_every_level_runs_each_server_first_as_often_as_last(monkeypatch):
+    # Two levels, two repetitions: alternating by turn alone put the same server first at c=4 in both repetitions.
+    runs = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def cpu_seconds(self):
+            return None
+
+    monkeypatch.setattr(serve, "warm_up", lambda *a: None)
+    monkeypatch.setattr(serve, "drive", lambda server, sent, level, rep, *a: (runs.append((level, rep, server.name))
+                                                                              or ([], 1.0)))
+    args = SimpleNamespace(levels=[4, 8], reps=2, keep_cache=True, interval=None)
+    serve.benchmark(args, {name: Fake(name) for name in ("plain", "lookupdec-plain-again", "other")}, [], None)
+    for level in (4, 8):
+        firsts = [next(name for lvl, r, name in runs if lvl == level and r == rep) for rep in (0, 1)]
+        assert firsts == ["plain", "other"] if level == 4 else firsts == ["other", "plain"]
+
+
 def test_resetting_a_prefix_cache_the_server_refuses_stops_the_run(tmp_path):
     import http.server
     import threading
