@@ -487,11 +487,11 @@ def benchmark(args, servers: dict, requests: list[Request], tokenizer) -> tuple[
     number of repetitions each level runs every server first as often as last. Unless --keep-cache, lookupdec and
     vllm-lookupdec get a fresh server for each turn after the first: their in-memory rolling cache of earlier
     outputs would otherwise draft each repeated request from its own earlier answer, which no real workload offers.
-    (transformers serve keeps running; its
-    continuous batching shares KV blocks of repeated prompt prefixes, but only whole blocks of CB_PAGE_TOKENS; the
-    workload's prompts, 165-230 tokens with the chat template, fill none. Plain vLLM, vllm-ngram and vllm-zero keep
-    running too, and every vLLM server's prefix cache is emptied before each turn (:meth:`Server.reset_prefix_cache`):
-    a kept one would skip the prefills of the prompts repeated from earlier turns, which a restarted server pays.)"""
+    (transformers serve keeps running; its continuous batching shares KV blocks of repeated prompt prefixes, but
+    only whole blocks of CB_PAGE_TOKENS; the workload's prompts, 165-230 tokens with the chat template, fill none.
+    Plain vLLM, vllm-ngram and vllm-zero keep running too, and every vLLM server's prefix cache is emptied before
+    each turn (:meth:`Server.reset_prefix_cache`): a kept one would skip the prefills of the prompts repeated from
+    earlier turns, which a restarted server pays.)"""
     names = list(servers)
     width = min(4, max(args.levels))
     for name in names:
