@@ -323,9 +323,12 @@ class Drafter:
         if length == 0 and cfg.guard and not (must_draft or fixed):
             # A calibrated profile learns from the passes run; now and then it asks for one it would not choose
             # (at most one pass per band of lengths, for every drafter of the model and setting), within the
-            # rows' room, or of one token where the room affords none.
+            # rows' room, or of one token where the room affords none. In a batch, also within what the guard
+            # lets a pass cost a row for the others' drafts: a probe's gain is unknown, and every row pays its
+            # width (without a ledger, a fresh profile's 8-row probes ran 64 tokens wide, 18 plain steps each).
             runs = [padded_width(d + 1, widths) - 1 for d in range(longest + 1)] if widths else None
-            length = cost.probe(length, costs[: longest + 1], room_of(offers), runs)
+            room = room_of(offers) if len(offers) == 1 else min(room_of(offers), cfg.slowdown(must_draft))
+            length = cost.probe(length, costs[: longest + 1], room, runs)
         return length, float(costs[length])
 
     def observe(self, rows: int, drafted: int, seconds: float, sessions: Sequence = ()) -> None:

@@ -317,3 +317,22 @@ def test_a_probe_is_handed_out_once_per_band_as_the_pass_is_run():
     assert padded.probe(0, costs[:4], 100.0, runs) == 1
     padded.observe(1, 0.02, 2.0)
     assert [padded.probe(0, costs[:4], 100.0, runs) for _ in range(3)] == [0, 0, 0]
+
+
+def test_a_batch_probes_no_wider_than_the_guard_lets_a_pass_cost_a_row(monkeypatch):
+    # Throughput first (no ledger), the policy finding no draft that pays: every draft run is the refinement's
+    # probe. In a batch each row pays the probe's width, so a probe costs at most batch_slowdown of a step (else
+    # one token), not the longest band on offer: unbounded, a fresh profile's 8-row probes ran 64 tokens wide.
+    import lookupdec.drafter
+
+    monkeypatch.setattr(lookupdec.drafter, "best_batch_length", lambda *args, **kwargs: 0)
+    prompt = np.tile(np.arange(10, 30, dtype=np.int32), 5)
+    config = DrafterConfig(max_draft=16, use_cache=False, calibrate=False, max_slowdown=None, batch_slowdown=0.2)
+    drafter = Drafter(config)
+    drafter.batch_cost(4).use_profile([1.0 + 0.1 * d for d in range(17)], refine=True)  # d tokens: 1 + d/10
+    drafter.observe(4, 0, 0.01)  # a plain step timed: probes may start
+    sessions = [drafter.start(prompt) for _ in range(4)]
+    for session in sessions:  # past the prompt's copy of itself, so that every row has 16 tokens on offer
+        session.commit([10, 11, 12, 13])
+    widths = [max(draft.size for draft in drafter.propose(sessions, [16] * 4)) for _ in range(3)]
+    assert widths == [2, 1, 0]  # bands 2 then 1 (1.2 and 1.1 steps), each handed out once; 3+ cost more
