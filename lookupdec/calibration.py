@@ -83,7 +83,7 @@ def refinement(model, rows: int = 1) -> Refinement:
     disk is a measurement, and each process corrects it from its own passes."""
     local = (torch.get_num_threads(), str(model.device), str(model.dtype), rows)
     with _memo_lock:
-        return _refinements.setdefault(model, {}).setdefault(local, Refinement(batch=rows > 1))
+        return _refinements.setdefault(model, {}).setdefault(local, Refinement())
 
 
 def calibrate_or_warn(drafter: Drafter, model, on_measure=None, *, rows: int = 1) -> None:

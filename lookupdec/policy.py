@@ -207,7 +207,7 @@ class PassCost:
             return linear_costs(*self.relative(), available)
         costs = _extended(profile, available)[: available + 1].copy()
         if refinement is not None and refined:
-            costs *= refinement.factors(costs)
+            costs *= refinement.factors(available)
         return costs
 
     def probe(self, chosen: int, costs: np.ndarray, room: float = float("inf"), runs=None) -> int:
@@ -317,18 +317,13 @@ class Refinement:
     draft lengths (1, 2, 3, 4-7, 8-15, ...), the mean of ``seconds / profile[d]`` over the band's passes, and the
     mean time of a plain step, both forgotten at :attr:`KEEP` per pass of their kind. ``lookupdec.calibrate`` keeps
     one per model and setting, shared by every drafter calibrated to it, so what one request taught the next one
-    knows (``lookupdec.generate`` without a drafter makes a new drafter each call). ``batch``: the profile prices
-    passes of several rows, and a drafted length found dearer than its price by :attr:`EXCESS_BAND` in what it adds
-    to a plain step is corrected even inside :attr:`DEAD_BAND` (see :meth:`factors`). Thread-safe."""
+    knows (``lookupdec.generate`` without a drafter makes a new drafter each call). Thread-safe."""
 
     KEEP = 0.9  # forgetting per pass of a kind: a few dozen passes, so a wrong profile heals fast
     DEAD_BAND = 1.25  # a band's factor within [1 / this, this] is taken as 1 (see factors)
-    EXCESS_BAND = 1.5  # in a batch, a length whose drafted part costs this many times its price is corrected anyway
-    EXCESS_FLOOR = 0.1  # ... its price's drafted part counted as at least this much of a plain step
     CLIP = 8.0  # factors stay within [1 / this, this]
 
-    def __init__(self, batch: bool = False):
-        self.batch = batch
+    def __init__(self):
         self._near = np.zeros((2, _band(1 << 16) + 1))  # per band: weight, sum of seconds / profile[d]
         self._base = np.zeros(2)  # weight, sum of plain-step seconds
         self._probing: set = set()  # bands a probe was handed out for, until its pass is observed
@@ -347,20 +342,13 @@ class Refinement:
                 self._near[:, band] *= self.KEEP
                 self._near[:, band] += (1.0, seconds / priced)
 
-    def factors(self, costs: np.ndarray) -> np.ndarray:
-        """Per draft length ``0 .. len(costs) - 1``, the factor on the profile's price ``costs[d]``: a band's mean
-        ``seconds / profile[d]`` against the mean plain step. A band not yet observed takes the factor of the
-        nearest one that was (a profile measured on a loaded machine is off by a similar factor at every length);
-        all ones until a plain step and a drafted pass have been seen. Within :attr:`DEAD_BAND` of 1 the
-        measurement stands: a profile measured on a busy machine is off by a large factor, while the passes' own
-        noise (contexts longer than the profile's, load that comes and goes) would otherwise move drafts priced
-        right. In a batch (:attr:`batch`) a length is corrected inside the dead band too where the factor makes
-        its drafted part (``costs[d] - 1``, at least :attr:`EXCESS_FLOOR`) :attr:`EXCESS_BAND` times dearer: a
-        short draft's price there is mostly the plain step every row pays anyway, so a dead band on the whole
-        price hides a drafted part off by twice or more (at 8 rows on this CPU, one drafted token priced 1.36
-        plain steps took 1.7), and every row in the pass pays that error. Only dearer: a batch draft priced too
-        dear loses a gain, one priced too cheap costs every row."""
-        available = len(costs) - 1
+    def factors(self, available: int) -> np.ndarray:
+        """Per draft length ``0 .. available``, the factor on the profile's price: a band's mean ``seconds /
+        profile[d]`` against the mean plain step. A band not yet observed takes the factor of the nearest one
+        that was (a profile measured on a loaded machine is off by a similar factor at every length); all ones
+        until a plain step and a drafted pass have been seen. Within :attr:`DEAD_BAND` of 1 the measurement
+        stands: a profile measured on a busy machine is off by a large factor, while the passes' own noise
+        (contexts longer than the profile's, load that comes and goes) would otherwise move drafts priced right."""
         factors = np.ones(available + 1)
         with self._lock:
             base_w, base_t = self._base
@@ -369,14 +357,9 @@ class Refinement:
         if base_w < 1.0 or seen.size == 0 or available < 1:
             return factors
         found = np.clip(sums[seen] / weights[seen] / (base_t / base_w), 1 / self.CLIP, self.CLIP)
+        found[(found > 1 / self.DEAD_BAND) & (found < self.DEAD_BAND)] = 1.0
         bands = np.array([_band(d) for d in range(1, available + 1)])
-        factor = found[np.abs(bands[:, None] - seen[None, :]).argmin(axis=1)]
-        stands = (factor > 1 / self.DEAD_BAND) & (factor < self.DEAD_BAND)
-        if self.batch:
-            priced = np.asarray(costs[1:], dtype=np.float64)
-            stands &= factor * priced - 1.0 < self.EXCESS_BAND * np.maximum(priced - 1.0, self.EXCESS_FLOOR)
-        factor[stands] = 1.0
-        factors[1:] = factor
+        factors[1:] = found[np.abs(bands[:, None] - seen[None, :]).argmin(axis=1)]
         return factors
 
     def probe(self, chosen: int, costs: np.ndarray, room: float = float("inf"), runs=None) -> int:

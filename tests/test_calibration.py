@@ -303,36 +303,6 @@ def test_a_profile_priced_six_times_too_dear_heals_from_the_passes_observed():
     assert healed[32] == pytest.approx(true[32])  # a band keeps its own factor
 
 
-def test_a_batch_profile_that_underprices_short_drafts_is_corrected_inside_the_dead_band(peaky):
-    # At 8 rows on a CPU the profile priced one drafted token at 1.36 plain steps and the passes took 1.5-2.3: within
-    # the dead band on the whole price (1.25x), but the drafted part (0.36 of a step) off by twice, and every row
-    # pays it. A batch's refinement corrects that length; a lone request's keeps the dead band as it was; neither
-    # corrects a drafted part found cheaper inside the band, nor a long length whose drafted part is near its price.
-    profile = np.array([1.0, 1.36, 1.59, 1.8, 2.17, 2.43, 2.7, 2.96, 3.23])
-    plain = 0.05
-    costs = {}
-    for batch in (False, True):
-        cost = lookupdec.drafter.PassCost()
-        cost.use_profile(profile, refine=lookupdec.policy.Refinement(batch=batch))
-        for _ in range(3):
-            cost.observe(0, plain)
-        for _ in range(20):
-            cost.observe(1, plain * 1.65)
-        costs[batch] = cost.costs(8)
-    assert costs[False].tolist() == pytest.approx(profile.tolist())  # 1.65 / 1.36: inside the dead band
-    factor = 1.65 / 1.36
-    assert costs[True][:3].tolist() == pytest.approx([1.0, 1.65, 1.59 * factor])  # 2 takes band 1's factor
-    assert costs[True][3:].tolist() == pytest.approx(profile[3:].tolist())  # 1.8 -> 2.18: its part within 1.5x
-    cheaper = lookupdec.drafter.PassCost()
-    cheaper.use_profile(profile, refine=lookupdec.policy.Refinement(batch=True))
-    cheaper.observe(0, plain)
-    for _ in range(20):
-        cheaper.observe(1, plain * 1.1)
-    assert cheaper.costs(8).tolist() == pytest.approx(profile.tolist())
-    model, _ = peaky  # lookupdec.calibrate hands batch buckets a batch's refinement, a lone request a lone one
-    assert cal.refinement(model, rows=8).batch and not cal.refinement(model, rows=1).batch
-
-
 def test_a_profile_set_by_hand_is_not_refined_and_a_new_profile_starts_afresh():
     cost = lookupdec.drafter.PassCost()
     cost.use_profile([1.0, 3.0, 3.0])  # by hand: the caller knows better
