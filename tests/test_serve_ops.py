@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 
 import pytest
 from helpers_costs import fixed_costs
@@ -47,8 +48,19 @@ def _body(peaky, **extra) -> dict:
             "prediction": {"content": text_of(prompt[8:24])}, **extra}
 
 
-def _access_lines(caplog) -> list:
-    return [r for r in caplog.records if r.name == observe.ACCESS_LOG]
+def _access_lines(caplog, *ids: str, timeout: float = 10.0) -> list[str]:
+    """The access-log lines captured so far, waiting up to ``timeout`` seconds for a line of each request id in
+    ``ids``: the server logs a request's line once its answer is sent, so the client can read the answer first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == observe.ACCESS_LOG]
+        if all(_line_of(lines, i) for i in ids) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.01)
+
+
+def _line_of(lines: list[str], request_id: str) -> list[str]:
+    return [line for line in lines if line.startswith(f"request_id={request_id} ")]
 
 
 # --------------------------------------------------------------------------------------------- request ids
@@ -61,7 +73,7 @@ def test_the_clients_request_id_comes_back_and_names_the_access_line(server, pea
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42.a:b/c"
     answer = r.json()
     usage, lookup = answer["usage"], answer["usage"]["lookup"]
-    [line] = [r.getMessage() for r in _access_lines(caplog)]
+    [line] = _line_of(_access_lines(caplog, "trace-42.a:b/c"), "trace-42.a:b/c")
     assert line.startswith(f"request_id=trace-42.a:b/c completion_id={answer['id']} method=POST "
                            "path=/v1/completions status=200 finish_reason=length ")
     assert (f" prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']} "
@@ -114,9 +126,9 @@ def test_errors_carry_a_request_id_too(server, peaky, monkeypatch, caplog):
     assert ids["unknown route"] == "mine"
     assert all(ids[name].startswith("cmpl-") for name in ("unauthorized", "bad body", "unknown model", "fault"))
     assert answers["fault"].json()["error"]["code"] == "internal_error"
-    lines = [r.getMessage() for r in _access_lines(caplog)]
+    lines = _access_lines(caplog, *ids.values())
     for name, r in answers.items():  # one line each, under its id, with its status
-        [line] = [line for line in lines if line.startswith(f"request_id={ids[name]} ")]
+        [line] = _line_of(lines, ids[name])
         assert f" status={r.status_code} " in line
     assert any(line.startswith("request_id=mine method=GET path=/v2/nothing status=404 ") for line in lines)
 
@@ -125,10 +137,14 @@ def test_health_and_metrics_are_logged_at_debug_only(server, caplog):
     caplog.set_level(logging.INFO, logger=observe.ACCESS_LOG)
     assert httpx.get(server + "/health", timeout=10).status_code == 200
     assert httpx.get(server + "/metrics", timeout=10).status_code == 200
-    assert _access_lines(caplog) == []
+    # A request logged at INFO after them: once its line is in, theirs would be too.
+    assert httpx.get(server + "/v2/nothing", headers={"X-Request-Id": "marker"}, timeout=10).status_code == 404
+    lines = _access_lines(caplog, "marker")
+    assert _line_of(lines, "marker") and not [line for line in lines if " path=/health " in line or
+                                              " path=/metrics " in line]
     caplog.set_level(logging.DEBUG, logger=observe.ACCESS_LOG)
     r = httpx.get(server + "/health", timeout=10)
-    [line] = [r.getMessage() for r in _access_lines(caplog)]
+    [line] = _line_of(_access_lines(caplog, r.headers["x-request-id"]), r.headers["x-request-id"])
     assert line.startswith(f"request_id={r.headers['x-request-id']} method=GET path=/health status=200 ")
     assert r.headers["x-request-id"].startswith("req-")
 
