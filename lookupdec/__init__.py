@@ -22,6 +22,7 @@ _EXPORTS = {
     "DrafterConfig": ("drafter", "DrafterConfig"),
     "RollingCache": ("cache", "RollingCache"),
     "load_model": ("models", "load_model"),
+    "use_grouped_attention": ("_transformers", "use_grouped_attention"),
     "TraceRecorder": ("trace", "TraceRecorder"),
     "LookupdecError": ("errors", "LookupdecError"),
     "ModelLoadError": ("models", "ModelLoadError"),

@@ -14,6 +14,9 @@
 - :class:`BlockLayer`: a full-attention cache layer that grows in blocks instead of reallocating at every pass.
 - :func:`gather_cache_slots`, :func:`append_cache_rows`: moving a batch's cache slots (the batch loop's compaction)
   and adding a request's rows to a running batch, through the cache layers.
+- :func:`use_grouped_attention`: transformers' SDPA attention, except that a pass of several new tokens on a CPU
+  reads a grouped-query model's shared key/value heads in place instead of copying them once per query head; the
+  same numbers, bit for bit (:data:`GROUPED_ATTENTION`).
 
 Importing this module checks the transformers version: lookupdec calls private helpers whose names and
 signatures change between releases, so an untested version fails here, clearly, instead of deep inside a
@@ -217,6 +220,54 @@ class StableTemperatureLogitsWarper(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:  # scores [rows, vocab]
         shifted = scores - scores.max(dim=-1, keepdim=True).values
         return torch.where(shifted == 0, shifted, shifted / self.temperature)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Attention for passes of several tokens
+
+GROUPED_ATTENTION = "lookupdec_sdpa"  # the attention implementation use_grouped_attention() selects
+_GQA_KERNEL = tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 5)  # SDPA's enable_gqa
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                  **kwargs):
+    """transformers' ``sdpa`` attention, except for a masked pass of several query tokens on a CPU in a model with
+    grouped-query heads (a drafted pass, a prefill under a padding mask): transformers copies every key/value head
+    once per query head it serves (``repeat_kv``) before calling the kernel, so a drafted pass's cost grows with
+    rows x context (8 rows at 512 tokens of context: one drafted token cost 1.75 plain steps instead of 1.33; at
+    2048, 6.5 instead of 1.3). Here the kernel reads the shared heads itself (``enable_gqa``), which on a CPU
+    computes the same numbers bit for bit (x86_64, torch 2.13, fp32 and bf16: tests/test_transformers_attention.py
+    checks it wherever the tests run). A one-token step, a pass without a mask, and every other device go to
+    transformers' function unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (query.shape[2] > 1 and attention_mask is not None and query.device.type == "cpu" and not module.training
+            and getattr(module, "num_key_value_groups", 1) > 1 and key.shape[-1] == value.shape[-1]
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and not kwargs.get("output_attentions", False)):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask[..., : key.shape[-2]], scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def use_grouped_attention(model) -> bool:
+    """Switch ``model`` from transformers' ``sdpa`` attention to :func:`_grouped_sdpa` (registered as
+    :data:`GROUPED_ATTENTION`) where that can change its speed and not its numbers: on a CPU, with torch 2.5 or
+    newer, for a model whose attention is ``sdpa``. Returns whether it switched. :func:`lookupdec.load_model` does
+    this for the models it loads; a model loaded otherwise keeps its attention unless its owner calls this
+    (``lookupdec.use_grouped_attention(model)``)."""
+    config = model.config
+    if not (_GQA_KERNEL and model.device.type == "cpu" and getattr(config, "_attn_implementation", None) == "sdpa"):
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_ATTENTION, _grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)  # the masks sdpa gets
+    model.set_attn_implementation(GROUPED_ATTENTION)
+    return config._attn_implementation == GROUPED_ATTENTION
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -172,7 +172,9 @@ def load_model(
     `torch.dtype`. GGUF conversions are cached in float32 and cast on load, so one cache folder serves every
     dtype (and their `"auto"` is float32). `revision` (a hub id's branch, tag or commit) and `trust_remote_code`
     are passed to transformers' `from_pretrained`. `progress=True` prints short status lines (and transformers'
-    own bars) to stderr; by default the load is silent apart from `logging` warnings.
+    own bars) to stderr; by default the load is silent apart from `logging` warnings. On a CPU, a model whose
+    attention is transformers' `sdpa` gets lookupdec's variant of it, which computes the same numbers and lets a
+    pass of several tokens read grouped key/value heads in place (`lookupdec._transformers.use_grouped_attention`).
     Raises ModelLoadError, with a one-line message, when the model cannot be loaded.
     """
     if device_map is not None and not (isinstance(device, str) and device == "auto"):
@@ -182,7 +184,19 @@ def load_model(
     device = resolve_device(device)
     place = _Placement(resolve_dtype(dtype, device), device_map if device_map is not None else str(device),
                        revision, trust_remote_code)
-    return _load(name, place, progress)
+    model, tokenizer = _load(name, place, progress)
+    _grouped_attention(model)
+    return model, tokenizer
+
+
+def _grouped_attention(model) -> None:
+    """On a CPU, let a pass of several tokens read the model's shared key/value heads in place (the same numbers,
+    faster batches: :func:`lookupdec._transformers.use_grouped_attention`)."""
+    try:
+        from ._transformers import use_grouped_attention
+    except ImportError:  # a transformers release lookupdec's own engine does not run on (vLLM's environment)
+        return
+    use_grouped_attention(model)
 
 
 @dataclass(frozen=True)
