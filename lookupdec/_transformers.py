@@ -38,14 +38,19 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.cache_utils import DynamicLayer
 from transformers.generation import logits_process
 from transformers.generation.logits_process import LogitsProcessor, TemperatureLogitsWarper
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 TESTED = ((5, 24), (6, 0))  # >= 5.24, < 6: the range the tests run on (pyproject.toml admits older ones for the
 # vLLM side, which needs no transformers internals: this check guards lookupdec's own engine)
 
 
+def _release(version: str) -> tuple:
+    """``(major, minor)`` of a version string such as ``"5.25.0"`` or ``"2.13.0+cpu"``."""
+    return tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+
+
 def _check_version(version: str) -> None:
-    numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
-    if TESTED[0] <= numbers < TESTED[1]:
+    if TESTED[0] <= _release(version) < TESTED[1]:
         return
     message = (f"lookupdec needs transformers >=5.24,<6 (it calls transformers' generation internals, which change "
                f"between releases); found {version}. Install a supported version: pip install 'transformers>=5.24,<6'")
@@ -226,7 +231,7 @@ class StableTemperatureLogitsWarper(LogitsProcessor):
 # Attention for passes of several tokens
 
 GROUPED_ATTENTION = "lookupdec_sdpa"  # the attention implementation use_grouped_attention() selects
-_GQA_KERNEL = tuple(int(n) for n in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 5)  # SDPA's enable_gqa
+_GQA_KERNEL = _release(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
 
 
 def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -239,8 +244,6 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.
     computes the same numbers bit for bit (x86_64, torch 2.13, fp32 and bf16: tests/test_transformers_attention.py
     checks it wherever the tests run). A one-token step, a pass without a mask, and every other device go to
     transformers' function unchanged."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if (query.shape[2] > 1 and attention_mask is not None and query.device.type == "cpu" and not module.training
             and getattr(module, "num_key_value_groups", 1) > 1 and key.shape[-1] == value.shape[-1]
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
