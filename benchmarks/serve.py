@@ -393,6 +393,8 @@ def markdown(summary: dict, meta: dict) -> str:
     predicted = [s for s in names if s in PREDICTION_SERVERS]
     cached = " and ".join(s for s in names if s in ROLLING_CACHE_SERVERS)
     setup = [f"{meta['threads']} torch threads per server"]
+    if meta.get("prefill_threads") is not None:
+        setup.append(f"lookupdec serve --prefill-threads {meta['prefill_threads']}")
     if "transformers" in names:
         setup.append(f"transformers serve in {meta['tf_mode']} mode")
     if any(s in srv.VLLM_SERVERS for s in names):
@@ -603,7 +605,8 @@ def _run(args, argv, started: srv.Servers) -> int:
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "source": source, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.device} {args.dtype}",
-        "threads": args.threads, "tf_mode": args.tf_mode, "requests": len(requests),
+        "threads": args.threads, "prefill_threads": args.prefill_threads, "tf_mode": args.tf_mode,
+        "requests": len(requests),
         "edits": sum(r.kind == "edit" for r in requests), "opens": sum(r.kind == "open" for r in requests),
         "max_tokens": args.max_tokens, "placebo_tokens": args.placebo_tokens, "reps": args.reps,
         "levels": args.levels, "interval": args.interval,

@@ -316,6 +316,8 @@ def lookupdec_server(args, env: dict, name: str = "lookupdec") -> Server:
         argv += ["--max-batch", str(args.max_batch)]
     if args.max_queue:
         argv += ["--max-queue", str(args.max_queue)]
+    if getattr(args, "prefill_threads", None) is not None:
+        argv += ["--prefill-threads", str(args.prefill_threads)]
     if name == "lookupdec-throughput":
         argv += THROUGHPUT_FIRST
     return Server(name, argv, env, args.out / f"serve-{name}.log", timeout=args.startup_timeout or STARTUP_TIMEOUT_S)
@@ -413,6 +415,8 @@ def add_options(ap: argparse.ArgumentParser) -> None:
                     help="lookupdec serve --max-batch (default: its own), and the vLLM servers' --max-num-seqs "
                          f"(default {DEFAULT_MAX_BATCH})")
     ap.add_argument("--max-queue", type=int, default=None, help="lookupdec serve --max-queue (default: its own)")
+    ap.add_argument("--prefill-threads", default=None, metavar="N|auto",
+                    help="lookupdec serve --prefill-threads (default: its own, auto; 0 prefills between the steps)")
     ap.add_argument("--startup-timeout", type=float, default=None,
                     help=f"seconds a server gets to be ready (default {STARTUP_TIMEOUT_S}; {VLLM_STARTUP_TIMEOUT_S} "
                          "for the vLLM servers, which compile their model at every start)")

@@ -261,3 +261,15 @@ def test_resetting_a_prefix_cache_the_server_refuses_stops_the_run(tmp_path):
             server.reset_prefix_cache()
     finally:
         httpd.shutdown()
+
+
+def test_prefill_threads_reach_every_lookupdec_server_and_only_when_given(tmp_path):
+    from benchmarks import servers as srv
+
+    args = SimpleNamespace(device="cpu", dtype="fp32", model=None, max_batch=None, max_queue=None,
+                           out=tmp_path, startup_timeout=None, prefill_threads=None)
+    assert "--prefill-threads" not in srv.lookupdec_server(args, {}, "lookupdec").base_argv
+    args.prefill_threads = "0"
+    for name in ("lookupdec", "lookupdec-plain", "lookupdec-throughput"):
+        argv = srv.lookupdec_server(args, {}, name).base_argv
+        assert argv[argv.index("--prefill-threads") + 1] == "0"

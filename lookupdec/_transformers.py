@@ -277,6 +277,18 @@ def use_grouped_attention(model) -> bool:
 # One target pass, and the cache it runs on
 
 
+def stateless_passes(model) -> bool:
+    """Whether two passes of ``model`` may run at once, on caches of their own (a prefill beside a batch's step):
+    not where a rotary embedding recomputes its frequencies in a pass ("dynamic" and "longrope" RoPE write them to
+    the module, for the longest position the pass sees)."""
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        kinds = kind.values() if isinstance(kind, dict) else [kind]
+        if any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+            return False
+    return True
+
+
 def forward_params(model) -> frozenset:
     """The keyword names ``model.forward`` takes, for :func:`target_forward` (computed once per generation)."""
     return frozenset(inspect.signature(model.forward).parameters)

@@ -78,6 +78,7 @@ from ._transformers import (
     gather_cache_slots,
     rollback_cache,
     select_cache_rows,
+    stateless_passes,
     static_cache,
     target_forward,
 )
@@ -163,6 +164,8 @@ class Row:
         self.prefill_cache = None
         self.prefilled = 0
         self.prefill_seconds = 0.0
+        self.prefill_passes = 0
+        self.prefill_logits = None  # a prefill worker's last logits of the prompt, until the row joins
         # Seconds of other rows' prefills (their passes and their joining) run while this row was in the batch:
         # time it waited that plain decoding of it alone would not have (the server reports it per request).
         self.others_prefill_seconds = 0.0
@@ -278,6 +281,8 @@ class BatchRun:
                 self.one_at_a_time = False
             except NotImplementedError:  # sliding-window layers
                 self.one_at_a_time = True
+        # Whether a prompt may be prefilled (prefill_pass) while a step runs: the model's passes share no state.
+        self.stateless_passes = stateless_passes(model)
         self.rows: list[Row] = []  # running rows, in cache order
         self.stats = GenerationStats()  # passes and model time of the whole batch
         # Cache bookkeeping: ``kv_mask[i, slot]`` says whether a cache slot holds one of row i's tokens;
@@ -328,7 +333,7 @@ class BatchRun:
         try:
             self.prefill_chunk(row, row.prompt_len - row.prefilled)
         except BaseException:
-            row.prefill_cache, row.prefilled, row.prefill_seconds = None, 0, 0.0
+            row.prefill_cache, row.prefilled, row.prefill_seconds, row.prefill_passes = None, 0, 0.0, 0
             raise
 
     def check_room(self, row: Row, waiting=()) -> None:
@@ -346,21 +351,51 @@ class BatchRun:
         join after all drops it (``row.prefill_cache = None``)."""
         beside, t0 = list(self.rows), time.perf_counter()
         try:
-            if row.prefill_cache is None:
-                if self.static_slots is not None:
-                    row.prefill_cache = static_cache(self.model, self.static_slots)
-                else:
-                    row.prefill_cache = rollback_cache(self.model) if self.one_at_a_time else batch_cache(self.model)
-            start = row.prefilled
-            chunk = row.prompt[:, start: start + n].to(self.device)  # a caller's CPU prompt beside a GPU model
-            logits = self._forward(chunk, 1, row.prefill_cache)  # [1, 1, vocab]
-            row.prefilled += n
-            row.prefill_seconds += self.last_pass_seconds
-            if row.prefilled < row.prompt_len:
+            logits = self.prefill_pass(row, n)
+            self.last_pass_seconds = row.pass_seconds
+            self.stats.model_seconds += row.pass_seconds
+            self.stats.target_passes += 1
+            if logits is None:
                 return False
             self._first_tokens([row], logits)
             self._attach(row)
             return True
+        finally:
+            waited = time.perf_counter() - t0
+            for other in beside:
+                other.others_prefill_seconds += waited
+
+    def prefill_pass(self, row: Row, n: int) -> torch.Tensor | None:
+        """Run the next ``n`` prompt tokens of ``row`` through the model on the row's own cache (made at its first
+        chunk), and return the prompt's last logits once it is all in (else None); :attr:`Row.pass_seconds` is the
+        pass's time. It reads the model and writes only the row, so the server's prefill worker runs it in a
+        thread of its own beside the batch's steps; :meth:`join_prefilled` then adds the row to the batch."""
+        if row.prefill_cache is None:
+            if self.static_slots is not None:
+                row.prefill_cache = static_cache(self.model, self.static_slots)
+            else:
+                row.prefill_cache = rollback_cache(self.model) if self.one_at_a_time else batch_cache(self.model)
+        start = row.prefilled
+        chunk = row.prompt[:, start: start + n].to(self.device)  # a caller's CPU prompt beside a GPU model
+        t0 = time.perf_counter()
+        logits = target_forward(self.model, chunk, row.prefill_cache, 1, self.params)  # [1, 1, vocab]
+        synchronize(logits.device)
+        row.pass_seconds = time.perf_counter() - t0
+        row.prefilled += n
+        row.prefill_seconds += row.pass_seconds
+        row.prefill_passes += 1
+        return logits if row.prefilled >= row.prompt_len else None
+
+    def join_prefilled(self, row: Row, logits: torch.Tensor) -> None:
+        """Add ``row``, whose whole prompt :meth:`prefill_pass` ran (``logits``: what its last pass returned), to
+        the batch: its first token is picked and its cache appended. Its prefill passes count in :attr:`stats`
+        now. All or nothing: when this raises, the batch is as it was."""
+        beside, t0 = list(self.rows), time.perf_counter()
+        try:
+            self._first_tokens([row], logits)
+            self._attach(row)
+            self.stats.model_seconds += row.prefill_seconds
+            self.stats.target_passes += row.prefill_passes
         finally:
             waited = time.perf_counter() - t0
             for other in beside:

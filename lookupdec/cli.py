@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from sys import float_info
 
 import click
 
@@ -148,23 +149,28 @@ def reformat(files, instruction, to, output, in_place, batch, model_name, device
         raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
-class SlowdownBound(click.ParamType):
-    """A fraction >= 0, or ``none`` (no bound)."""
+class NumberOr(click.ParamType):
+    """A number of type ``kind`` in ``[low, high]``, or the word ``word`` (read as None)."""
 
-    name = "fraction|none"
+    def __init__(self, name: str, kind, low, high, word: str, what: str):
+        self.name, self.kind, self.low, self.high, self.word, self.what = name, kind, low, high, word, what
 
     def convert(self, value, param, ctx):
-        if value is None or isinstance(value, float):
+        if value is None or isinstance(value, self.kind):
             return value
-        if str(value).lower() == "none":
+        if str(value).lower() == self.word:
             return None
         try:
-            bound = float(value)
+            number = self.kind(value)
         except ValueError:
-            bound = -1.0
-        if not 0 <= bound < float("inf"):
-            self.fail(f"{value!r} is not a fraction >= 0 or none", param, ctx)
-        return bound
+            number = None
+        if number is None or not self.low <= number <= self.high:
+            self.fail(f"{value!r} is not {self.what} or {self.word}", param, ctx)
+        return number
+
+
+SLOWDOWN_BOUND = NumberOr("fraction|none", float, 0.0, float_info.max, "none", "a fraction >= 0")
+PREFILL_THREADS = NumberOr("n|auto", int, 0, 1024, "auto", "a number of threads (0 to 1024)")
 
 
 SERVE_EXIT_HELP = """\b
@@ -251,13 +257,18 @@ def _names(ctx, param, value):
               help="Whose earlier answers a request drafts from: its client's (OpenAI's 'user' field; requests "
                    "without one share), everyone's (fastest; but a client who times its answers could tell what "
                    "others generated), or none. Answers are the same either way.")
-@click.option("--max-slowdown", type=SlowdownBound(), default="0.05", show_default=True, metavar="FRACTION|none",
+@click.option("--max-slowdown", type=SLOWDOWN_BOUND, default="0.05", show_default=True, metavar="FRACTION|none",
               help="Never slower, per request: drafts (a request's own, or others' in the same batch) may make no "
                    "request more than this fraction slower than plain decoding (plus under one step). none: "
                    "throughput first, no such bound.")
+@click.option("--prefill-threads", type=PREFILL_THREADS, default="auto", show_default=True, metavar="N|auto",
+              help="On a CPU, torch threads of a worker that prefills new prompts beside the decoding steps, so "
+                   "that running requests do not wait for them. 0: prefill between the steps. auto: the cores the "
+                   "steps leave free (torch's threads; set OMP_NUM_THREADS to leave some), up to as many as the "
+                   "steps use.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve(engine, model_name, served_names, host, port, max_batch, max_queue, cache_path, api_key, device, dtype,
-          drain_timeout, access_log, no_calibrate, cache_scope, max_slowdown, vllm_args):
+          drain_timeout, access_log, no_calibrate, cache_scope, max_slowdown, prefill_threads, vllm_args):
     """Serve the model over OpenAI's API (chat and completions, streaming), honouring Predicted Outputs.
 
     Every answer carries an x-request-id header (the client's own, else the completion's id); GET /metrics gives
@@ -274,7 +285,8 @@ def serve(engine, model_name, served_names, host, port, max_batch, max_queue, ca
                     {"cache_scope": cache_scope, "max_slowdown": max_slowdown},
                     not_applicable={"--max-queue": max_queue != 64, "--cache": cache_path is not None,
                                     "--device": device != "auto", "--drain-timeout": drain_timeout != 30.0,
-                                    "--no-calibrate": no_calibrate})
+                                    "--no-calibrate": no_calibrate,
+                                    "--prefill-threads": prefill_threads is not None})
         return
     if vllm_args:
         click.echo(f"error: unexpected arguments {' '.join(vllm_args)!r} (arguments after -- are vLLM's, for "
@@ -286,7 +298,7 @@ def serve(engine, model_name, served_names, host, port, max_batch, max_queue, ca
     options = ServeOptions(model=model_name, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
                            cache=cache_path, api_key=api_key, device=device, dtype=dtype,
                            drain_timeout=drain_timeout, calibrate=not no_calibrate, cache_scope=cache_scope,
-                           max_slowdown=max_slowdown,
+                           max_slowdown=max_slowdown, prefill_threads=prefill_threads,
                            served_model_names=served_names, access_log=access_log)
     try:
         run_server(options, say=lambda line: click.echo(line, err=True))

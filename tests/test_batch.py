@@ -482,14 +482,14 @@ def test_a_rows_failure_ends_that_row_only(tiny_factory, fault):
             if fault == "prefill" and row is bad:
                 # The prefill's pass fails (as a token past the vocabulary would on a CPU; on CUDA that is a
                 # device-side assert, which no process survives, so the fault is raised instead).
-                forward = run._forward
+                prefill = run.prefill_pass
 
-                def failing(ids, n_logits, cache, *args, forward=forward, **kwargs):
-                    if cache is bad.prefill_cache:
+                def failing(row, n, prefill=prefill):
+                    if row is bad:
                         raise _Fault("the prefill's pass fails")
-                    return forward(ids, n_logits, cache, *args, **kwargs)
+                    return prefill(row, n)
 
-                run._forward = failing
+                run.prefill_pass = failing
                 joins.enqueue(row)
             else:
                 run.join(row)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from contextlib import contextmanager
 
@@ -79,6 +80,8 @@ def _ask(engine: Engine, jobs: list, *, ticket_class=Ticket, between=None, timeo
 
 @contextmanager
 def _engine(model, tokenizer=None, **kw):
+    """A started engine; its prompts prefilled between the steps unless ``prefill_threads`` says otherwise."""
+    kw.setdefault("prefill_threads", 0)
     engine = Engine(model, tokenizer, Drafter(DrafterConfig(calibrate=False)), **kw)
     engine.start()
     try:
@@ -146,6 +149,56 @@ def test_a_long_prompt_in_chunks_alone_and_beside_running_requests_is_plain_gree
     assert [c[1] for c in chunks if c[0] == n][: alone_chunks] == [40] * (n // 40) + [n % 40] * (n % 40 > 0)
     beside = [c for c in chunks if c[0] == n][alone_chunks:]
     assert len(beside) >= 5 and any(rows > 0 and tokens == 24 for _, tokens, rows in beside)
+
+
+def test_a_prefill_worker_serves_plain_greedy_and_holds_running_requests_only_for_joins(tiny_model, monkeypatch):
+    # The same requests on an engine whose worker prefills beside the steps: the same answers, the long prompt's
+    # passes run on the worker's thread, and the request decoding meanwhile is held only while rows join (the
+    # first token and the cache appended), much less than the long prompt's passes took.
+    monkeypatch.setattr(PrefillScheduler, "lone_budget", lambda self: 40)
+    threads = []
+    real = batch_module.BatchRun.prefill_pass
+
+    def spy(self, row, n):
+        threads.append((row.prompt_len, threading.current_thread().name))
+        return real(self, row, n)
+
+    monkeypatch.setattr(batch_module.BatchRun, "prefill_pass", spy)
+    beside = []
+    join = batch_module.BatchRun.join_prefilled
+
+    def joined(self, row, logits):
+        beside.append((row.prompt_len, [other.owner for other in self.rows]))
+        return join(self, row, logits)
+
+    monkeypatch.setattr(batch_module.BatchRun, "join_prefilled", joined)
+    short = _prompts(tiny_model, count=2, seed=51)
+    long = _long_prompt(tiny_model, seed=2)
+    jobs = [(short[0], 200, {"lookup": False}), (short[1], 80, {}), (long, 40, {})]
+    tickets = []
+
+    class Kept(Ticket):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            tickets.append(self)
+
+    async def after_the_short_ones_decode(i, tickets):
+        if i == 2:
+            await _first_tokens(tickets[0])
+            await _first_tokens(tickets[1])
+
+    with _engine(tiny_model, prefill_threads=1) as engine:
+        assert engine.scheduler.threads == 1
+        together = _ask(engine, jobs, between=after_the_short_ones_decode, ticket_class=Kept)
+    for (tokens, kind, summary), (prompt, budget, _) in zip(together, jobs):
+        assert kind == "done" and tokens == _greedy(tiny_model, prompt, budget)
+    n = long.shape[1]
+    assert [name for length, name in threads if length == n] == ["lookupdec-prefill"] * -(-n // 40)
+    [running] = [owners for length, owners in beside if length == n]
+    assert running  # a short request still decoded when the long one joined: it was beside the long prefill
+    for ticket in running:
+        summary = together[tickets.index(ticket)][2]
+        assert summary["others_prefill_seconds"] < tickets[2].row.prefill_seconds / 2
 
 
 def test_each_request_is_told_the_prefills_run_beside_it_and_what_drafts_cost_it(tiny_model, monkeypatch):

@@ -4,6 +4,9 @@ its steps, in chunks sized by time (``lookupdec.serve.scheduler``). Every row st
 verdict depends on this machine's timings.
 """
 
+import threading
+import time
+
 import pytest
 import torch
 from test_batch import _long_prompt, _row, _singles, _sliding_model
@@ -253,3 +256,223 @@ def test_a_sliding_window_model_is_prefilled_one_row_at_a_time():
             assert _drive(run) == [row]
     for row, prompt in zip(rows, prompts):
         assert row.tokens.tolist() == _singles(model, [prompt], 40)[0]
+
+
+# ---------------------------------------------------------------------- a prefill worker beside the steps
+
+
+def _worker(model, drafter, monkeypatch, lone=37):
+    """A scheduler whose prompts a worker thread prefills (one torch thread), its chunk budget fixed."""
+    monkeypatch.setattr(PrefillScheduler, "lone_budget", lambda self: lone)
+    return PrefillScheduler(BatchRun(model, drafter), threads=1)
+
+
+def _drive_until(run, done, timeout=120.0):
+    """The engine's turns (collect what the worker finished, then a step) until ``done()``; the rows that ended."""
+    ended, deadline = [], time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the rows did not finish in time"
+        ended += run.prefill_pending()
+        if run.rows:
+            ended += run.step()
+        else:
+            time.sleep(0.001)
+    return ended
+
+
+def _wait_for(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "waited in vain"
+        time.sleep(0.01)
+
+
+def _gate(run, row):
+    """Hold the worker's passes for ``row`` until the returned event is set (each waits at most a minute, so a
+    scheduler that runs them on the caller's thread fails the test instead of hanging it); the threads those
+    passes ran on are recorded in the returned list."""
+    gate, threads, prefill = threading.Event(), [], run.run.prefill_pass
+
+    def held(r, n):
+        if r is row:
+            threads.append(threading.current_thread().name)
+            if not gate.wait(60):
+                raise TimeoutError("the gate was never opened")
+        return prefill(r, n)
+
+    run.run.prefill_pass = held
+    return gate, threads
+
+
+def test_a_prefill_worker_prefills_beside_the_steps_and_every_row_is_single_sequence_greedy(tiny_model, monkeypatch):
+    # Two rows decode while a long prompt's prefill is held in the worker: they finish meanwhile, which a scheduler
+    # that prefills between the steps cannot do. Then the long prompt (chunked) and a short one join, and every row
+    # gives what it gives alone.
+    prompts = _prompts(tiny_model, count=3, seed=41)
+    long = _long_prompt(tiny_model, seed=2)
+    budgets = [20, 25, 30, 40]
+    drafter = LookupDrafter()
+    run = _worker(tiny_model, drafter, monkeypatch)
+    rows = [_row(tiny_model, drafter, p, b) for p, b in zip(prompts[:2] + [long, prompts[2]], budgets)]
+    gate, threads = _gate(run, rows[2])
+    with torch.inference_mode():
+        run.enqueue(rows[0])
+        run.enqueue(rows[1])
+        ended = _drive_until(run, lambda: len(run.rows) == 2)
+        run.enqueue(rows[2])
+        ended += _drive_until(run, lambda: not run.rows)  # the first two end; the long prompt is still held
+        assert threads and rows[2] in run.joining and rows[2].prefilled == 0
+        gate.set()
+        run.enqueue(rows[3])
+        ended += _drive_until(run, lambda: not run.rows and not run.joining)
+    run.stop_worker()
+    assert sorted(map(id, ended)) == sorted(map(id, rows))
+    expected = [_singles(tiny_model, [p], b)[0] for p, b in zip(prompts[:2] + [long, prompts[2]], budgets)]
+    assert [row.tokens.tolist() for row in rows] == expected
+    assert set(threads) == {"lookupdec-prefill"} and len(threads) == -(-long.shape[1] // 37)  # in chunks
+    # Its prefill passes count once, in the batch's figures, when it joins.
+    assert rows[2].prefill_passes == len(threads) and rows[2].stats.target_passes >= 1
+
+
+def test_the_worker_ends_a_cancelled_row_and_a_failed_one_and_the_others_go_on(tiny_model, monkeypatch):
+    prompts = _prompts(tiny_model, count=4, seed=43)
+    drafter = LookupDrafter()
+    run = _worker(tiny_model, drafter, monkeypatch)
+    rows = [_row(tiny_model, drafter, p, 20) for p in prompts]
+    held, waiting, failing, fine = rows
+    gate, threads = _gate(run, held)
+    prefill = run.run.prefill_pass
+
+    def fails(row, n):
+        if row is failing:
+            raise RuntimeError("the prefill's pass fails")
+        return prefill(row, n)
+
+    run.run.prefill_pass = fails
+    with torch.inference_mode():
+        run.enqueue(held)
+        _wait_for(lambda: threads)  # the worker is in held's pass...
+        run.enqueue(waiting)  # ...so these wait behind it
+        run.enqueue(failing)
+        run.enqueue(fine)
+        waiting.cancel()
+        held.cancel()  # cancelled during its own pass: it ends after the pass, and never joins
+        gate.set()
+        ended = _drive_until(run, lambda: not run.joining and not run.rows)
+    run.stop_worker()
+    assert sorted(map(id, ended)) == sorted(map(id, rows))
+    assert held.finish_reason == waiting.finish_reason == "cancelled" and waiting.prefill_passes == 0
+    assert failing.finish_reason == "error" and isinstance(failing.error, RuntimeError)
+    assert fine.tokens.tolist() == _singles(tiny_model, [prompts[3]], 20)[0]
+    assert all(row.prefill_cache is None for row in rows)
+
+
+def test_cut_stops_the_worker_and_returns_the_rows_it_held(tiny_model, monkeypatch):
+    prompts = _prompts(tiny_model, count=2, seed=47)
+    drafter = LookupDrafter()
+    run = _worker(tiny_model, drafter, monkeypatch)
+    rows = [_row(tiny_model, drafter, p, 20) for p in prompts]
+    gate, threads = _gate(run, rows[0])
+    with torch.inference_mode():
+        run.enqueue(rows[0])
+        run.enqueue(rows[1])
+        _wait_for(lambda: threads)  # the worker is in rows[0]'s pass
+        worker = run._worker
+        threading.Timer(0.2, gate.set).start()  # the pass in flight ends; cut waits for it
+        cut = run.cut()
+    assert sorted(map(id, cut)) == sorted(map(id, rows)) and not run.joining and not run.ready
+    assert not worker.is_alive() and all(row.prefill_cache is None for row in rows)
+
+
+@pytest.mark.parametrize(("device", "cores", "steps", "expected"), [
+    ("cpu", 2, 1, 1), ("cpu", 2, 2, 0), ("cpu", 16, 8, 8), ("cpu", 16, 12, 4), ("cpu", 1, 1, 0),
+    ("cuda", 16, 4, 0),
+])
+def test_the_default_worker_gets_the_cores_the_steps_leave_free(tiny_model, monkeypatch, device, cores, steps,
+                                                                 expected):
+    run = BatchRun(tiny_model, LookupDrafter())
+    run.device = torch.device(device)
+    monkeypatch.setattr(scheduler.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(scheduler.torch, "get_num_threads", lambda: steps)
+    assert scheduler.default_prefill_threads(run) == expected
+
+
+def test_a_sliding_window_model_has_no_prefill_worker():
+    model = _sliding_model()
+    run = BatchRun(model, LookupDrafter())
+    assert scheduler.default_prefill_threads(run) == 0
+    with pytest.raises(ValueError, match="one row at a time"):
+        PrefillScheduler(run, threads=1)
+
+
+class _Death(BaseException):
+    """Not a row's own failure (a row's is an Exception): what kills the worker's thread."""
+
+
+def test_a_worker_that_dies_fails_the_rows_it_held_and_the_next_prompt_gets_a_new_one(tiny_model, monkeypatch):
+    prompts = _prompts(tiny_model, count=3, seed=53)
+    drafter = LookupDrafter()
+    run = _worker(tiny_model, drafter, monkeypatch)
+    rows = [_row(tiny_model, drafter, p, 20) for p in prompts]
+    entered, go, prefill = threading.Event(), threading.Event(), run.run.prefill_pass
+
+    def dies(row, n):
+        if row is rows[0]:
+            entered.set()
+            go.wait(60)
+            raise _Death("the worker's thread dies")
+        return prefill(row, n)
+
+    run.run.prefill_pass = dies
+    with torch.inference_mode():
+        run.enqueue(rows[0])
+        assert entered.wait(60)
+        run.enqueue(rows[1])  # waits behind rows[0]'s pass, which kills the worker
+        go.set()
+        ended = _drive_until(run, lambda: not run.joining, timeout=20)
+        assert sorted(map(id, ended)) == sorted(map(id, rows[:2]))
+        assert all(row.finish_reason == "error" and isinstance(row.error, _Death) for row in rows[:2])
+        run.run.prefill_pass = prefill
+        run.enqueue(rows[2])
+        ended = _drive_until(run, lambda: not run.joining and not run.rows)
+    run.stop_worker()
+    assert ended == [rows[2]] and rows[2].tokens.tolist() == _singles(tiny_model, [prompts[2]], 20)[0]
+
+
+def test_a_model_whose_passes_rewrite_its_rotary_embedding_has_no_prefill_worker():
+    # Dynamic RoPE writes new frequencies to the module in a pass: a prefill beside a step would race with it.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=128)
+    plain = BatchRun(LlamaForCausalLM(LlamaConfig(**config)).eval(), LookupDrafter())
+    dynamic = BatchRun(LlamaForCausalLM(LlamaConfig(**config, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})).eval(), LookupDrafter())
+    assert plain.stateless_passes and not dynamic.stateless_passes
+    assert scheduler.no_prefill_worker(plain) is None
+    with pytest.raises(ValueError, match="dynamic RoPE"):
+        PrefillScheduler(dynamic, threads=1)
+
+
+@pytest.mark.parametrize(("given", "expected"), [([], None), (["--prefill-threads", "auto"], None),
+                                                 (["--prefill-threads", "0"], 0), (["--prefill-threads", "2"], 2)])
+def test_the_cli_hands_prefill_threads_to_the_server(monkeypatch, given, expected):
+    from click.testing import CliRunner
+
+    from lookupdec import cli
+    from lookupdec.serve import run as serve_run
+
+    seen = []
+    monkeypatch.setattr(serve_run, "serve", lambda options, say: seen.append(options))
+    result = CliRunner().invoke(cli.main, ["serve", *given], catch_exceptions=False)
+    assert result.exit_code == 0 and seen[0].prefill_threads == expected
+
+
+@pytest.mark.parametrize("bad", ["-1", "two", "1.5"])
+def test_the_cli_refuses_a_bad_prefill_thread_count(bad):
+    from click.testing import CliRunner
+
+    from lookupdec import cli
+
+    result = CliRunner().invoke(cli.main, ["serve", "--prefill-threads", bad])
+    assert result.exit_code == 2 and "is not a number of threads (0 to 1024) or auto" in result.stderr

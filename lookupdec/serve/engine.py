@@ -7,7 +7,9 @@ sampled row draws its token at output position ``t`` at a uniform fixed by ``(se
 
 Each turn of the engine's loop takes waiting requests into the prefill queue, runs one round of prefill work (a
 long prompt is prefilled in chunks paid for by the decoding steps, a quarter of their time, so it slows the running
-requests by about a quarter: :class:`~lookupdec.serve.scheduler.PrefillScheduler`), then one decoding step.
+requests by about a quarter: :class:`~lookupdec.serve.scheduler.PrefillScheduler`), then one decoding step. On a
+CPU with cores the steps leave free, a worker thread prefills beside the steps instead, and a turn adds the rows it
+has finished (``prefill_threads``).
 A failure that belongs to one request (its prefill, its verification, its drafting, its callback) ends that
 request with a 500 and the others go on; only a failed forward pass of the whole batch ends every running request.
 
@@ -52,7 +54,7 @@ from ..calibration import calibrate_or_warn
 from ..drafter import Drafter, NoDrafts
 from ..verify import verify_greedy, verify_keyed
 from .protocol import APIError, Request
-from .scheduler import PrefillScheduler
+from .scheduler import PrefillScheduler, default_prefill_threads, no_prefill_worker
 
 _log = logging.getLogger(__name__)
 
@@ -169,7 +171,10 @@ class Engine:
     """Runs every request on one batched loop in a thread of its own (:meth:`start`, :meth:`stop`)."""
 
     def __init__(self, model, tokenizer, drafter: Drafter, *, max_batch: int = 8, max_queue: int = 64,
-                 cache_scope: str = "user"):
+                 cache_scope: str = "user", prefill_threads: int | None = None):
+        """``prefill_threads``: the torch threads of a worker that prefills prompts beside the decoding steps; 0:
+        between the steps, on the engine's thread; None: on a CPU, the cores the steps leave free, up to as many
+        as they use (:func:`~lookupdec.serve.scheduler.default_prefill_threads`)."""
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         if cache_scope not in CACHE_SCOPES:
@@ -179,7 +184,13 @@ class Engine:
         self.cache_scope = cache_scope
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.run = BatchRun(model, drafter)
-        self.scheduler = PrefillScheduler(self.run)
+        self._cond = threading.Condition()
+        threads = default_prefill_threads(self.run) if prefill_threads is None else prefill_threads
+        if threads and no_prefill_worker(self.run):
+            _log.warning("prompts are prefilled between the steps (prefill threads 0 instead of %d): %s", threads,
+                         no_prefill_worker(self.run))
+            threads = 0
+        self.scheduler = PrefillScheduler(self.run, threads, wake=self._wake)
         if self.run.one_at_a_time and max_batch > 1:
             _log.warning("%s has sliding-window attention layers, which a batch's cache cannot hold (a window "
                          "counts cache slots, and a batch leaves masked holes between a row's slots): serving one "
@@ -189,7 +200,6 @@ class Engine:
         text = model.config.get_text_config()
         self.context = int(getattr(text, "max_position_embeddings", None) or 1 << 20)
         self._waiting: deque[Ticket] = deque()
-        self._cond = threading.Condition()
         self._accepting = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -287,6 +297,10 @@ class Engine:
         The batch's state is unknown, so nothing more runs on it; its rows are dropped."""
         _log.critical("the engine's thread died: the server answers 503 from now on and must be restarted",
                       exc_info=err)
+        try:
+            self.scheduler.stop_worker()
+        except BaseException:  # the requests must still be answered
+            pass
         with self._cond:
             self.failure = err
             self._accepting = False
@@ -298,11 +312,16 @@ class Engine:
             if not ticket.ended:
                 ticket._emit("error", error)
 
+    def _wake(self) -> None:
+        """The prefill worker has finished a row: a loop waiting for work collects it."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (self._waiting or self.run.rows or self.scheduler.joining or self._stop):
+                    while not (self._waiting or self.run.rows or self.scheduler.ready or self._stop):
                         self._cond.wait()
                     if self._stop:
                         self._cut()

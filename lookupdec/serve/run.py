@@ -44,6 +44,9 @@ class ServeOptions:
     # Smart Composer sends `prediction` only to gpt-4o* and gpt-4.1*).
     served_model_names: tuple = ()
     access_log: bool = True  # one line per request on the lookupdec.access logger (stderr)
+    # Torch threads of a worker that prefills prompts beside the decoding steps (0: between the steps; None: the
+    # cores the steps leave free on a CPU, up to as many as they use: scheduler.default_prefill_threads).
+    prefill_threads: int | None = None
 
 
 def serve(options: ServeOptions, say=print) -> None:
@@ -70,7 +73,7 @@ def serve(options: ServeOptions, say=print) -> None:
     drafter = Drafter(DrafterConfig(calibrate=options.calibrate, use_cache=options.cache_scope != "off",
                                     max_slowdown=options.max_slowdown), cache=cache)
     engine = Engine(model, tokenizer, drafter, max_batch=options.max_batch, max_queue=options.max_queue,
-                    cache_scope=options.cache_scope)
+                    cache_scope=options.cache_scope, prefill_threads=options.prefill_threads)
     said = []
 
     def measuring() -> None:
@@ -95,7 +98,9 @@ def serve(options: ServeOptions, say=print) -> None:
     app = create_app(engine, names, api_key=options.api_key or os.environ.get("LOOKUPDEC_API_KEY") or None,
                      on_shutdown=save_cache, drain_timeout=options.drain_timeout, startup=startup)
     also = f" (also as {', '.join(names[1:])})" if len(names) > 1 else ""
-    say(f"serving {name}{also} on http://{options.host}:{options.port}/v1 (max batch {engine.max_batch})")
+    beside = f", prompts prefilled beside the steps on {engine.scheduler.threads} thread" \
+        f"{'s' if engine.scheduler.threads > 1 else ''}" if engine.scheduler.threads else ""
+    say(f"serving {name}{also} on http://{options.host}:{options.port}/v1 (max batch {engine.max_batch}{beside})")
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")
     # uvicorn handles SIGTERM and SIGINT while it serves (a graceful shutdown), then raises them again under the
     # handlers found at its start: those end the process quietly here, since the shutdown has been done.

@@ -24,11 +24,27 @@ has the measurements behind each rule:
 
 Chunking changes no output (``batch.py``): a chunk's queries see the keys before it and its own causally, as in
 one pass.
+
+On a CPU with cores the decoding steps do not use, prompts are prefilled **beside** the steps instead, by a worker
+thread of its own (``threads`` > 0, :func:`default_prefill_threads`): the running rows then wait for a join
+(picking the first token, appending the cache), not for the prefill passes. The worker takes the shortest
+remaining prompt first, a prompt of at most :data:`WHOLE_PROMPT` tokens in one pass and a longer one in chunks of
+:meth:`PrefillScheduler.lone_budget` (so that a shorter prompt, or a cancel, waits one chunk, not a whole
+prompt); the engine's thread adds each row it finished to the batch between two steps. The worker's passes are
+the same passes on the same caches, so outputs do not change (docs/design.md, "Prefill beside the steps").
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+
+import torch
+
 from ..batch import BatchRun, Row
+
+_log = logging.getLogger(__name__)
 
 CHUNK_MIN = 16
 CHUNK_MAX = 512
@@ -41,15 +57,58 @@ _CHUNK_FIRST = 128  # the budgets before any prefill pass was timed
 _LONE_FIRST = 512
 
 
+def default_prefill_threads(run: BatchRun) -> int:
+    """The threads a prefill worker beside ``run``'s steps gets by default: on a CPU, as many as the decoding
+    steps use (torch's threads), or fewer if fewer cores are left beside them; 0 (prefill between the steps) on
+    other devices, where no core is left, and where a worker cannot run (:func:`_no_worker`)."""
+    if run.device.type != "cpu" or no_prefill_worker(run):
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    steps = torch.get_num_threads()
+    return max(0, min(steps, cores - steps))
+
+
+def no_prefill_worker(run: BatchRun) -> str | None:
+    """Why ``run``'s prompts cannot be prefilled beside its steps, or None."""
+    if run.one_at_a_time:
+        return "it holds one row at a time"
+    if run.static_slots is not None:
+        return "it takes its rows at the start"
+    if not run.stateless_passes:
+        return "the model's passes change its rotary embedding (dynamic RoPE)"
+    return None
+
+
 class PrefillScheduler:
     """The rows waiting to join ``run`` (:meth:`enqueue`), and the prefill work done for them between steps
-    (:meth:`prefill_pending`); :meth:`step` steps the run and earns the credit that pays for chunks beside it."""
+    (:meth:`prefill_pending`), or by a worker thread beside the steps, whose finished rows :meth:`prefill_pending`
+    adds to the batch; :meth:`step` steps the run and earns the credit that pays for chunks beside it."""
 
-    def __init__(self, run: BatchRun):
+    def __init__(self, run: BatchRun, threads: int = 0, wake=None):
+        """``threads`` > 0: prompts are prefilled by a worker thread with that many torch threads, beside the steps
+        (refused where :func:`_no_worker` says why not). ``wake()`` is called from
+        the worker when it has finished a row, so that an engine waiting for one can collect it."""
+        if threads < 0:
+            raise ValueError(f"threads must be 0 or more, got {threads}")
+        if threads and no_prefill_worker(run):
+            raise ValueError("this run's prompts are prefilled between its steps (threads=0): "
+                             f"{no_prefill_worker(run)}")
         self.run = run
+        self.threads = threads
+        self.wake = wake or (lambda: None)
         self.joining: list[Row] = []  # rows whose prompt is being prefilled, oldest first
         self.credit = 0.0  # seconds of prefill the decoding steps have paid for (busy_budget)
         self.rate: float | None = None  # prompt tokens per second of the last prefill pass
+        # The worker (threads > 0): rows it has finished (prefilled, failed or cancelled) for the engine's thread
+        # to collect, its thread, and which worker may run (a stopped one that is still in a pass must not go on
+        # after it); all three, and joining, under _lock.
+        self._lock = threading.Condition()
+        self._finished: list[Row] = []
+        self._worker: threading.Thread | None = None
+        self._generation = 0
 
     @property
     def rows(self) -> list[Row]:
@@ -60,7 +119,17 @@ class PrefillScheduler:
         """Queue ``row`` to be prefilled by :meth:`prefill_pending`, which adds it to the batch once its prompt is
         in."""
         self.run.check_room(row, self.joining)
-        self.joining.append(row)
+        with self._lock:
+            self.joining.append(row)
+            if self.threads:
+                self._start_worker()
+                self._lock.notify_all()
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`prefill_pending` has something to do now: with a worker, a row it finished; without, any
+        row waiting to be prefilled."""
+        return bool(self._finished) if self.threads else bool(self.joining)
 
     def busy_budget(self) -> int:
         """Prompt tokens a round of prefill may spend while rows decode: what the credit the steps earned pays
@@ -93,6 +162,8 @@ class PrefillScheduler:
 
         Returns the rows that ended here: cancelled ones (``finish_reason`` ``"cancelled"``) and failed ones
         (:attr:`Row.error` set; the batch is as it was)."""
+        if self.threads:
+            return self._collect()
         ended = []
         for row in [row for row in self.joining if row.cancelled]:
             self._unqueue(row)
@@ -139,11 +210,121 @@ class PrefillScheduler:
     def cut(self) -> list[Row]:
         """End every row, running or being prefilled, and return them (the server is shutting down): what the
         running rows generated joins the rolling cache (:meth:`BatchRun.cut`)."""
-        joining, self.joining = self.joining, []
+        self.stop_worker()
+        with self._lock:
+            joining, self.joining, self._finished = self.joining, [], []
         for row in joining:
             row.prefill_cache = None
         return self.run.cut() + joining
 
+    def stop_worker(self, timeout: float = 30.0) -> None:
+        """Stop the prefill worker, after the pass it is running (a row it holds stays in :attr:`joining`); the
+        next :meth:`enqueue` starts a new one."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+            self._generation += 1
+            self._lock.notify_all()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+            if worker.is_alive():
+                _log.warning("the prefill worker did not stop within %.0f s (a long pass?)", timeout)
+
     def _unqueue(self, row: Row) -> None:
-        self.joining.remove(row)
+        with self._lock:
+            self.joining.remove(row)
         row.prefill_cache = None
+
+    # ------------------------------------------------------------------ the worker (threads > 0)
+
+    def _collect(self) -> list[Row]:
+        """The engine's side of the worker: add each row it prefilled to the batch, and end those it failed or
+        found cancelled (returned, as :meth:`prefill_pending` returns them)."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+            for row in finished:
+                self.joining.remove(row)
+        ended = []
+        for row in finished:
+            logits, row.prefill_logits = row.prefill_logits, None
+            if row.error is None and not row.cancelled:
+                try:
+                    self.run.join_prefilled(row, logits)
+                    continue
+                except Exception as err:  # the joining row's own failure: the batch is as it was
+                    row._fail(err)
+            elif row.error is None:
+                row.finish_reason = "cancelled"
+            row.prefill_cache = None
+            ended.append(row)
+        return ended
+
+    def _start_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, args=(self._generation,), name="lookupdec-prefill",
+                                            daemon=True)
+            self._worker.start()
+
+    def _next(self, generation: int) -> tuple[Row, int] | None:
+        """(row, tokens) for the worker's next pass, the shortest remaining prompt first; None once this worker
+        was stopped. A cancelled row is finished unprefilled on the way. Waits, under the lock, while there is
+        nothing to do."""
+        while True:
+            if generation != self._generation:
+                return None
+            finished = set(map(id, self._finished))
+            pending = [row for row in self.joining if id(row) not in finished]
+            for row in [row for row in pending if row.cancelled]:
+                self._finish(row)
+            pending = [row for row in pending if not row.cancelled]
+            if pending:
+                row = min(pending, key=lambda row: row.prompt_len - row.prefilled)
+                remaining = row.prompt_len - row.prefilled
+                budget = self.lone_budget()
+                whole = budget is None or (row.prefilled == 0 and row.prompt_len <= WHOLE_PROMPT)
+                return row, remaining if whole else min(remaining, budget)
+            self._lock.wait()
+
+    def _finish(self, row: Row) -> None:
+        self._finished.append(row)
+        self.wake()
+
+    def _work(self, generation: int) -> None:
+        """The worker's thread: prefill passes on the rows' own caches (:meth:`BatchRun.prefill_pass`), beside the
+        engine's steps, until stopped. Should it die of anything but a row's own failure, the rows it holds fail
+        (the engine answers them; the next :meth:`enqueue` starts a new worker)."""
+        try:
+            self._prefill_passes(generation)
+        except BaseException as err:
+            _log.error("the prefill worker failed; ending the requests it was prefilling", exc_info=err)
+            with self._lock:
+                if generation == self._generation:
+                    self._worker = None
+                    finished = set(map(id, self._finished))
+                    for row in self.joining:
+                        if id(row) not in finished:
+                            row._fail(err)
+                            self._finish(row)
+
+    def _prefill_passes(self, generation: int) -> None:
+        torch.set_num_threads(self.threads)  # this thread's own (OpenMP's count is per thread)
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    job = self._next(generation)
+                    if job is None:
+                        return
+                    row, n = job
+                try:
+                    logits, err = self.run.prefill_pass(row, n), None
+                except Exception as failure:  # this row's own failure: the others go on
+                    logits, err = None, failure
+                with self._lock:
+                    if row not in self.joining:  # cut meanwhile (the server is shutting down)
+                        continue
+                    if err is not None:
+                        row._fail(err)
+                    elif row.pass_seconds > 0:
+                        self.rate = n / row.pass_seconds
+                    if err is not None or logits is not None or row.cancelled:
+                        row.prefill_logits = logits
+                        self._finish(row)
