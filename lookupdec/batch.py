@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -349,21 +350,15 @@ class BatchRun:
         """Prefill the next ``n`` prompt tokens of ``row`` on its own cache; at the prompt's end, pick its first
         token and add it to the batch (``True``). The row's cache is made at its first chunk; a row that will not
         join after all drops it (``row.prefill_cache = None``)."""
-        beside, t0 = list(self.rows), time.perf_counter()
-        try:
+        with self._holding():
             logits = self.prefill_pass(row, n)
             self.last_pass_seconds = row.pass_seconds
-            self.stats.model_seconds += row.pass_seconds
-            self.stats.target_passes += 1
+            self._count(row.pass_seconds, 1)
             if logits is None:
                 return False
             self._first_tokens([row], logits)
             self._attach(row)
             return True
-        finally:
-            waited = time.perf_counter() - t0
-            for other in beside:
-                other.others_prefill_seconds += waited
 
     def prefill_pass(self, row: Row, n: int) -> torch.Tensor | None:
         """Run the next ``n`` prompt tokens of ``row`` through the model on the row's own cache (made at its first
@@ -377,10 +372,7 @@ class BatchRun:
                 row.prefill_cache = rollback_cache(self.model) if self.one_at_a_time else batch_cache(self.model)
         start = row.prefilled
         chunk = row.prompt[:, start: start + n].to(self.device)  # a caller's CPU prompt beside a GPU model
-        t0 = time.perf_counter()
-        logits = target_forward(self.model, chunk, row.prefill_cache, 1, self.params)  # [1, 1, vocab]
-        synchronize(logits.device)
-        row.pass_seconds = time.perf_counter() - t0
+        logits, row.pass_seconds = self._timed_forward(chunk, 1, row.prefill_cache)  # [1, 1, vocab]
         row.prefilled += n
         row.prefill_seconds += row.pass_seconds
         row.prefill_passes += 1
@@ -390,12 +382,18 @@ class BatchRun:
         """Add ``row``, whose whole prompt :meth:`prefill_pass` ran (``logits``: what its last pass returned), to
         the batch: its first token is picked and its cache appended. Its prefill passes count in :attr:`stats`
         now. All or nothing: when this raises, the batch is as it was."""
-        beside, t0 = list(self.rows), time.perf_counter()
-        try:
+        with self._holding():
             self._first_tokens([row], logits)
             self._attach(row)
-            self.stats.model_seconds += row.prefill_seconds
-            self.stats.target_passes += row.prefill_passes
+            self._count(row.prefill_seconds, row.prefill_passes)
+
+    @contextmanager
+    def _holding(self):
+        """Charge the time of the block (a prefill pass, a join) to every row running now, as time other rows'
+        prefills held it."""
+        beside, t0 = list(self.rows), time.perf_counter()
+        try:
+            yield
         finally:
             waited = time.perf_counter() - t0
             for other in beside:
@@ -575,13 +573,21 @@ class BatchRun:
         return torch.cat([mask, mask.new_zeros((mask.shape[0], self.static_slots - mask.shape[1]))], dim=1)
 
     def _forward(self, ids, n_logits, cache, mask=None, positions=None) -> torch.Tensor:
+        logits, self.last_pass_seconds = self._timed_forward(ids, n_logits, cache, mask, positions)
+        self._count(self.last_pass_seconds, 1)
+        return logits
+
+    def _timed_forward(self, ids, n_logits, cache, mask=None, positions=None) -> tuple[torch.Tensor, float]:
+        """One pass (:func:`target_forward`) and its seconds, the device caught up; it touches no state of the run."""
         t0 = time.perf_counter()
         logits = target_forward(self.model, ids, cache, n_logits, self.params, mask, positions)
         synchronize(logits.device)
-        self.last_pass_seconds = time.perf_counter() - t0
-        self.stats.model_seconds += self.last_pass_seconds
-        self.stats.target_passes += 1
-        return logits
+        return logits, time.perf_counter() - t0
+
+    def _count(self, seconds: float, passes: int) -> None:
+        """Count passes and their model time in the batch's figures."""
+        self.stats.model_seconds += seconds
+        self.stats.target_passes += passes
 
     def _first_tokens(self, rows: list[Row], logits: torch.Tensor) -> None:
         """Each row's first token, from its prefill's last logits; raises the first row's failure."""

@@ -186,9 +186,9 @@ class Engine:
         self.run = BatchRun(model, drafter)
         self._cond = threading.Condition()
         threads = default_prefill_threads(self.run) if prefill_threads is None else prefill_threads
-        if threads and no_prefill_worker(self.run):
-            _log.warning("prompts are prefilled between the steps (prefill threads 0 instead of %d): %s", threads,
-                         no_prefill_worker(self.run))
+        why = no_prefill_worker(self.run)
+        if threads and why:
+            _log.warning("prompts are prefilled between the steps (prefill threads 0 instead of %d): %s", threads, why)
             threads = 0
         self.scheduler = PrefillScheduler(self.run, threads, wake=self._wake)
         if self.run.one_at_a_time and max_batch > 1:
