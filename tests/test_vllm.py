@@ -79,7 +79,8 @@ OPEN = {"messages": [{"role": "user", "content": "Write a short poem about the s
 @pytest.fixture(scope="module")
 def lookup(model_folder):
     # After the requests, in the same engine: the rolling cache scoped per client, and seeded sampling.
-    return _offline(model_folder, SPEC, scenarios={"scope": OPEN, "seed": {**REQUESTS[0], "max_tokens": 64}})
+    seed = {**REQUESTS[0], "max_tokens": 64, "temperature": 0.5}
+    return _offline(model_folder, SPEC, scenarios={"scope": OPEN, "seed": seed})
 
 
 # vLLM computes a verifying pass (several positions of a row at once) with other kernels than a one-token step, and
@@ -134,15 +135,28 @@ def test_with_the_user_scope_a_client_never_drafts_from_another_clients_answer(l
     assert again["cache_accepted"] > alice["tokens"] // 2
 
 
-def test_seeded_sampling_does_not_reproduce_on_vllms_cpu_build(lookup):
-    # What holds, and what does not (docs/vllm.md, "Seeds"). lookupdec drafts a seeded sampled request's lengths
-    # from its own tokens only (tests/test_vllm_proposer.py), but vLLM 0.32's CPU build does not give a seeded
-    # request under any speculative method the same answer twice: its own n-gram method neither (seen with
-    # prefix caching on and off). If this fails, vLLM now reproduces them: turn it into an equality check and
-    # update the docs.
+def test_a_seeded_requests_drafts_depend_on_its_own_tokens_only(lookup):
+    # lookupdec's part of a seed's promise on vLLM (docs/vllm.md, "Seeds"): a seeded sampled request's drafts are
+    # a function of its own tokens. The same seeded request ran twice, with an unseeded answer to the same prompt
+    # joining the rolling cache and the cost fit moving on between the two: wherever the two answers still agree,
+    # the proposer gave both the same draft, and the second drafted nothing from the cache. At temperature 0.5 the
+    # two agree long enough to compare many drafts (about 20 positions here; at 1.0 they part within a few tokens).
     seed = lookup["seed"]
     assert seed["drafted"] > 0  # the second run did draft
-    assert seed["first"] != seed["second"]
+    assert seed["second_cache_drafted"] == 0
+    first, second = seed["first"], seed["second"]
+    agree = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
+    first_drafts = {at: tokens for at, tokens in seed["first_drafts"]}
+    compared = 0
+    for at, tokens in seed["second_drafts"]:
+        if at <= agree and at in first_drafts:
+            assert tokens == first_drafts[at], (at, tokens, first_drafts[at])
+            compared += 1
+    assert compared > 0, (agree, seed["first_drafts"][:3], seed["second_drafts"][:3])
+    # Whether vLLM then gives the two the same answer is vLLM's part: its CPU build has given a seeded request under
+    # a speculative method (its own n-gram method included) different answers in some runs and the same in others,
+    # so that is reported, not asserted.
+    print(f"seeded answers: the same {agree} of {len(first)} / {len(second)} tokens, drafts compared at {compared}")
 
 
 def _free_port():

@@ -8,8 +8,10 @@ counted, and after the requests two scenarios run one request at a time:
 
 - ``scope``: the same open-ended request from clients alice, bob, alice again (``vllm_xargs`` client, as the
   middleware sets it from OpenAI's ``user``): the tokens each drafted and had accepted from a rolling cache;
-- ``seed``: a sampled request with a seed, then the same prompt unseeded (its answer joins the cache), then the
-  seeded one again: both seeded answers, and the tokens drafted for the second.
+- ``seed``: a sampled request with a seed (at its ``temperature``, 1 if none), then the same prompt unseeded (its
+  answer joins the cache), then the seeded one again: both seeded answers, the tokens drafted for the second, what
+  the second drafted from the rolling cache, and for each seeded answer the drafts the proposer gave it (after how
+  many output tokens, which tokens).
 """
 
 import json
@@ -50,7 +52,7 @@ def main() -> None:
               "metrics": _spec_metrics(llm)}
     if scenarios:
         result["scope"] = _scope(llm, sessions, scenarios["scope"])
-        result["seed"] = _seed(llm, scenarios["seed"])
+        result["seed"] = _seed(llm, sessions, scenarios["seed"])
     print("RESULT " + json.dumps(result))
 
 
@@ -93,19 +95,37 @@ def _scope(llm, sessions, request) -> list:
     return out
 
 
-def _seed(llm, request) -> dict:
+def _seed(llm, sessions, request) -> dict:
     from vllm import SamplingParams
 
-    def run(seed):
-        param = SamplingParams(temperature=1.0, max_tokens=request["max_tokens"], seed=seed)
-        return list(llm.chat([request["messages"]], [param], use_tqdm=False)[0].outputs[0].token_ids)
+    from lookupdec.vllm.proposer import LookupProposer
 
-    first = run(7)
+    drafts = {}  # id(session) -> [[output tokens before the draft, drafted tokens], ...]
+    own_length = LookupProposer._own_length
+
+    def recording(self, entry):
+        length = own_length(self, entry)
+        tracked = self._requests[entry[1]]
+        drafts.setdefault(id(entry[2]), []).append([tracked.seen - tracked.info.prompt_len,
+                                                    entry[3].tokens[:length].tolist()])
+        return length
+
+    LookupProposer._own_length = recording
+
+    def run(seed):
+        before = len(sessions)
+        param = SamplingParams(temperature=request.get("temperature", 1.0), max_tokens=request["max_tokens"], seed=seed)
+        answer = list(llm.chat([request["messages"]], [param], use_tqdm=False)[0].outputs[0].token_ids)
+        return answer, sessions[before]
+
+    first, first_session = run(7)
     run(None)  # an unseeded answer to the same prompt: the rolling cache now holds it, the cost fit moved on
     drafted = _spec_metrics(llm).get("vllm:spec_decode_num_draft_tokens", 0)
-    second = run(7)
+    second, second_session = run(7)
     return {"first": first, "second": second,
-            "drafted": _spec_metrics(llm).get("vllm:spec_decode_num_draft_tokens", 0) - drafted}
+            "drafted": _spec_metrics(llm).get("vllm:spec_decode_num_draft_tokens", 0) - drafted,
+            "second_cache_drafted": second_session.cache_drafted,
+            "first_drafts": drafts.get(id(first_session), []), "second_drafts": drafts.get(id(second_session), [])}
 
 
 def _top(output) -> list:
