@@ -196,17 +196,17 @@ def test_steps_pay_for_the_chunks_beside_them(tiny_model, monkeypatch):
     run = _scheduler(tiny_model, drafter)
     rows = [_row(tiny_model, drafter, short, 200), _row(tiny_model, drafter, long, 10)]
     spent = {"step": 0.0, "chunk": 0.0}
-    real_forward = BatchRun._forward
+    real_forward = BatchRun._timed_forward  # every pass's time comes from here: steps' and chunks'
 
     def timed(self, ids, n_logits, cache, mask=None, positions=None):
-        logits = real_forward(self, ids, n_logits, cache, mask, positions)
+        logits, _ = real_forward(self, ids, n_logits, cache, mask, positions)
         chunk = cache is rows[1].prefill_cache
-        self.last_pass_seconds = 0.004 + 2e-5 * ids.shape[1] if chunk else 0.010
+        seconds = 0.004 + 2e-5 * ids.shape[1] if chunk else 0.010
         if self.rows and rows[1] in run.joining:
-            spent["chunk" if chunk else "step"] += self.last_pass_seconds
-        return logits
+            spent["chunk" if chunk else "step"] += seconds
+        return logits, seconds
 
-    monkeypatch.setattr(BatchRun, "_forward", timed)
+    monkeypatch.setattr(BatchRun, "_timed_forward", timed)
     with torch.inference_mode():
         run.enqueue(rows[0])
         run.prefill_pending()
