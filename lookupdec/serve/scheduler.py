@@ -60,7 +60,7 @@ _LONE_FIRST = 512
 def default_prefill_threads(run: BatchRun) -> int:
     """The threads a prefill worker beside ``run``'s steps gets by default: on a CPU, as many as the decoding
     steps use (torch's threads), or fewer if fewer cores are left beside them; 0 (prefill between the steps) on
-    other devices, where no core is left, and where a worker cannot run (:func:`_no_worker`)."""
+    other devices, where no core is left, and where a worker cannot run (:func:`no_prefill_worker`)."""
     if run.device.type != "cpu" or no_prefill_worker(run):
         return 0
     try:
@@ -82,6 +82,17 @@ def no_prefill_worker(run: BatchRun) -> str | None:
     return None
 
 
+def _remaining(row: Row) -> int:
+    """Prompt tokens of ``row`` not prefilled yet (the shortest remainder goes first)."""
+    return row.prompt_len - row.prefilled
+
+
+def _whole(row: Row, budget: int | None) -> bool:
+    """Whether ``row``'s prompt goes in one pass whatever ``budget`` (None: no budget), as a prompt of at most
+    :data:`WHOLE_PROMPT` tokens does."""
+    return budget is None or (row.prefilled == 0 and row.prompt_len <= WHOLE_PROMPT)
+
+
 class PrefillScheduler:
     """The rows waiting to join ``run`` (:meth:`enqueue`), and the prefill work done for them between steps
     (:meth:`prefill_pending`), or by a worker thread beside the steps, whose finished rows :meth:`prefill_pending`
@@ -89,13 +100,13 @@ class PrefillScheduler:
 
     def __init__(self, run: BatchRun, threads: int = 0, wake=None):
         """``threads`` > 0: prompts are prefilled by a worker thread with that many torch threads, beside the steps
-        (refused where :func:`_no_worker` says why not). ``wake()`` is called from
-        the worker when it has finished a row, so that an engine waiting for one can collect it."""
+        (refused where :func:`no_prefill_worker` says why not). ``wake()`` is called from the worker when it has
+        finished a row, so that an engine waiting for one can collect it."""
         if threads < 0:
             raise ValueError(f"threads must be 0 or more, got {threads}")
-        if threads and no_prefill_worker(run):
-            raise ValueError("this run's prompts are prefilled between its steps (threads=0): "
-                             f"{no_prefill_worker(run)}")
+        why = no_prefill_worker(run) if threads else None
+        if why:
+            raise ValueError(f"this run's prompts are prefilled between its steps (threads=0): {why}")
         self.run = run
         self.threads = threads
         self.wake = wake or (lambda: None)
@@ -172,11 +183,11 @@ class PrefillScheduler:
         if not self.run.rows:
             self.credit = 0.0  # credit is earned by steps beside a prefill, from when they start
         spent = 0
-        for row in sorted(self.joining, key=lambda row: row.prompt_len - row.prefilled):
-            remaining = row.prompt_len - row.prefilled
+        for row in sorted(self.joining, key=_remaining):
+            remaining = _remaining(row)
             busy = bool(self.run.rows)
             budget = self.busy_budget() if busy else self.lone_budget()
-            whole = budget is None or (row.prefilled == 0 and row.prompt_len <= WHOLE_PROMPT)
+            whole = _whole(row, budget)
             n = remaining if whole else min(remaining, budget - spent)
             if n <= 0 or (spent and n < min(remaining, CHUNK_MIN)):
                 continue  # a whole prompt later in the order still goes
@@ -271,18 +282,20 @@ class PrefillScheduler:
         while True:
             if generation != self._generation:
                 return None
-            finished = set(map(id, self._finished))
-            pending = [row for row in self.joining if id(row) not in finished]
+            pending = self._held()
             for row in [row for row in pending if row.cancelled]:
                 self._finish(row)
             pending = [row for row in pending if not row.cancelled]
             if pending:
-                row = min(pending, key=lambda row: row.prompt_len - row.prefilled)
-                remaining = row.prompt_len - row.prefilled
+                row = min(pending, key=_remaining)
                 budget = self.lone_budget()
-                whole = budget is None or (row.prefilled == 0 and row.prompt_len <= WHOLE_PROMPT)
-                return row, remaining if whole else min(remaining, budget)
+                return row, _remaining(row) if _whole(row, budget) else min(_remaining(row), budget)
             self._lock.wait()
+
+    def _held(self) -> list[Row]:
+        """The rows waiting to join that the worker has not finished (under the lock)."""
+        finished = set(map(id, self._finished))
+        return [row for row in self.joining if id(row) not in finished]
 
     def _finish(self, row: Row) -> None:
         self._finished.append(row)
@@ -299,11 +312,9 @@ class PrefillScheduler:
             with self._lock:
                 if generation == self._generation:
                     self._worker = None
-                    finished = set(map(id, self._finished))
-                    for row in self.joining:
-                        if id(row) not in finished:
-                            row._fail(err)
-                            self._finish(row)
+                    for row in self._held():
+                        row._fail(err)
+                        self._finish(row)
 
     def _prefill_passes(self, generation: int) -> None:
         torch.set_num_threads(self.threads)  # this thread's own (OpenMP's count is per thread)
