@@ -283,9 +283,9 @@ def parallel_server(model_folder, tmp_path_factory):
 
 class TestDataParallel:
     def test_both_ranks_load_the_plugin_and_draft_and_answers_stay_plain(self, parallel_server, plain):
-        # Six requests at once: vLLM spreads them over its two engines. Each engine's proposer needs the plugin's
-        # hook in its own worker process (it refuses to start without), and each drafts: vLLM counts drafted and
-        # accepted tokens per engine.
+        # Six requests at once: vLLM spreads them over its two engines, then an edit pinned to each. Each engine's
+        # proposer needs the plugin's hook in its own worker process (it refuses to start without), and each
+        # drafts: vLLM counts drafted and accepted tokens per engine.
         import httpx
 
         edit = {**_chat(REQUESTS[0]), "prediction": {"type": "content", "content": REQUESTS[0]["prediction"]}}
@@ -295,6 +295,12 @@ class TestDataParallel:
             assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain["texts"][0]
         for reply in replies[1::2] + [last]:
             _check_plain(reply, plain, 2)
+        # vLLM's balancer may send all of them to one engine (it did once: 0 accepted on rank 0), so one edit more
+        # to each rank, pinned with vLLM's own routing header.
+        for rank in ("0", "1"):
+            reply = httpx.post(f"{parallel_server}/v1/chat/completions", json=edit, timeout=600,
+                               headers={"X-data-parallel-rank": rank})
+            assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain["texts"][0]
         counts = _per_engine(parallel_server, "vllm:spec_decode_num_accepted_tokens_total")
         assert sorted(counts) == ["0", "1"] and all(value > 0 for value in counts.values()), counts
         assert httpx.get(f"{parallel_server}/health", timeout=10).status_code == 200
